@@ -1,0 +1,29 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN := torch==2.13.0
+
+.PHONY: install test demo bench lint clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[dev]' '$(TORCH_PIN)'
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q tests
+
+demo: install
+	$(PY) examples/demo.py
+
+bench: install
+	$(PY) benchmarks/bench_single.py
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

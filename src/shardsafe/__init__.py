@@ -1,0 +1,42 @@
+"""shardsafe: fast, safe, sharded checkpoints for PyTorch training."""
+
+__version__ = "0.1.0"
+
+from .api import LoadInfo, SaveInfo, load, load_full, read_manifest, save  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DtypeMismatchError,
+    FormatVersionError,
+    KeyMismatchError,
+    MissingKeysError,
+    ShapeMismatchError,
+    UnexpectedKeysError,
+    UnsupportedValueError,
+)
+from .state.tree import Stateful, rank_local  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "save",
+    "load",
+    "load_full",
+    "read_manifest",
+    "SaveInfo",
+    "LoadInfo",
+    "Stateful",
+    "rank_local",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "DtypeMismatchError",
+    "FormatVersionError",
+    "KeyMismatchError",
+    "MissingKeysError",
+    "ShapeMismatchError",
+    "UnexpectedKeysError",
+    "UnsupportedValueError",
+]

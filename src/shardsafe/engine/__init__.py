@@ -1,0 +1,1 @@
+"""Runs plans: writes and reads data files with checksums on parallel threads."""

@@ -1,0 +1,26 @@
+"""Byte views of tensors, without copies where the memory already has the right layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """A CPU, contiguous, conjugation-resolved tensor with ``t``'s values (``t`` itself when possible)."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous()
+
+
+def byte_view(t: torch.Tensor) -> np.ndarray:
+    """The raw bytes of a contiguous CPU tensor as a writable uint8 numpy array (shares memory)."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return flat.view(torch.uint8).numpy()

@@ -1,0 +1,263 @@
+"""Execute read plans: check files, verify block checksums, and land bytes in the
+destination tensors (straight into their memory when the layout allows).
+
+Verification order keeps a failed load from touching the destination: blocks needed
+by in-place reads are hashed from the file *before* any destination byte is written;
+reads into memory the loader allocated itself are hashed after they land (one pass).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import CorruptCheckpointError
+from ..format.checksum import checksum
+from ..format.manifest import Chunk, Manifest
+from ..plan.load_plan import ReadOp
+from ..storage.local import read_into
+from .buffers import byte_view
+
+IOV_MAX = 1024
+MAP_WINDOW = 64 << 20
+
+
+class OpenFiles:
+    """File descriptors of a checkpoint's data files, opened on demand, checked for size."""
+
+    def __init__(self, root: Path, manifest: Manifest) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.fds: dict[int, int] = {}
+
+    def fd(self, index: int) -> int:
+        if index not in self.fds:
+            entry = self.manifest.files[index]
+            path = self.root / entry.name
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"data file {path} is missing") from None
+            size = os.fstat(fd).st_size
+            if size != entry.nbytes:
+                os.close(fd)
+                raise CorruptCheckpointError(
+                    f"data file {path} has {size} bytes, the manifest says {entry.nbytes} (truncated or replaced)"
+                )
+            self.fds[index] = fd
+        return self.fds[index]
+
+    def name(self, index: int) -> str:
+        return str(self.root / self.manifest.files[index].name)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _bad_block(files: OpenFiles, key: str, chunk: Chunk, lo: int, hi: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"checksum mismatch in {files.name(chunk.file)}, tensor '{key}', bytes {lo}-{hi}: the data is corrupt"
+    )
+
+
+def verify_headers(files: OpenFiles, indices: set[int]) -> None:
+    """Check the safetensors header bytes of the given files against the manifest."""
+    for i in sorted(indices):
+        entry = files.manifest.files[i]
+        buf = bytearray(entry.header_bytes)
+        read_into(files.fd(i), memoryview(buf), 0, files.name(i))
+        if checksum(buf) != entry.header_checksum:
+            raise CorruptCheckpointError(f"checksum mismatch in the header of {files.name(i)}: the file is corrupt")
+
+
+def needed_blocks(op: ReadOp, block: int) -> list[int]:
+    """Indices of the checksum blocks of ``op.chunk`` that ``op``'s runs touch."""
+    start = op.chunk.start
+    out: set[int] = set()
+    for s, n in op.runs:
+        if n == 0:
+            continue
+        out.update(range((s - start) // block, (s - start + n - 1) // block + 1))
+    if not out and op.chunk.end == op.chunk.start:
+        out.add(0)
+    return sorted(out)
+
+
+def _hash_file_blocks(files: OpenFiles, key: str, chunk: Chunk, blocks: list[int], block: int) -> None:
+    """Hash the listed blocks straight from the page cache (through short-lived maps)."""
+    fd = files.fd(chunk.file)
+    if chunk.end == chunk.start:
+        if chunk.checksum[0] != checksum(b""):
+            raise _bad_block(files, key, chunk, chunk.start, chunk.end)
+        return
+    if len(chunk.checksum) != -(-(chunk.end - chunk.start) // block):
+        raise CorruptCheckpointError(f"manifest: tensor '{key}' has a wrong number of block checksums")
+    # Group consecutive blocks into windows of at most MAP_WINDOW bytes.
+    i = 0
+    while i < len(blocks):
+        j = i
+        while j + 1 < len(blocks) and blocks[j + 1] == blocks[j] + 1 and (blocks[j + 1] - blocks[i] + 1) * block <= MAP_WINDOW:
+            j += 1
+        lo = chunk.start + blocks[i] * block
+        hi = min(chunk.end, chunk.start + (blocks[j] + 1) * block)
+        base = lo - lo % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(fd, hi - base, prot=mmap.PROT_READ, offset=base) as mm:
+            view = memoryview(mm)
+            try:
+                for b in range(blocks[i], blocks[j] + 1):
+                    blo = chunk.start + b * block
+                    bhi = min(chunk.end, blo + block)
+                    if checksum(view[blo - base: bhi - base]) != chunk.checksum[b]:
+                        raise _bad_block(files, key, chunk, blo, bhi)
+            finally:
+                view.release()
+        i = j + 1
+
+
+def _hash_landed(files: OpenFiles, op: ReadOp, target: np.ndarray, block: int) -> None:
+    """Verify a whole chunk that has been read into ``target``."""
+    chunk = op.chunk
+    n = chunk.end - chunk.start
+    if len(chunk.checksum) != max(1, -(-n // block)):
+        raise CorruptCheckpointError(f"manifest: tensor '{op.fill.key}' has a wrong number of block checksums")
+    mv = memoryview(target)
+    for b, expected in enumerate(chunk.checksum):
+        piece = mv[b * block: (b + 1) * block]
+        if checksum(piece) != expected:
+            raise _bad_block(files, op.fill.key, chunk, chunk.start + b * block, chunk.start + b * block + len(piece))
+
+
+def _target(op: ReadOp) -> tuple[np.ndarray, torch.Tensor | None]:
+    """Where the op's bytes land: the destination itself, or a staging tensor to copy from."""
+    if op.direct:
+        return byte_view(op.fill.tensor), None
+    stage = torch.empty(op.box.lengths, dtype=op.fill.tensor.dtype)
+    return byte_view(stage), stage
+
+
+def _read_runs(files: OpenFiles, op: ReadOp, target: np.ndarray) -> None:
+    fd = files.fd(op.chunk.file)
+    mv = memoryview(target)
+    pos = 0
+    for s, n in op.runs:
+        read_into(fd, mv[pos: pos + n], s, files.name(op.chunk.file))
+        pos += n
+
+
+def _read_batch(files: OpenFiles, batch: list[tuple[ReadOp, np.ndarray]]) -> None:
+    """One preadv for ops whose single runs sit back to back in one file."""
+    if len(batch) == 1:
+        _read_runs(files, *batch[0])
+        return
+    op0 = batch[0][0]
+    fd = files.fd(op0.chunk.file)
+    start = op0.runs[0][0]
+    bufs = [memoryview(t) for _, t in batch if t.nbytes]
+    total = sum(b.nbytes for b in bufs)
+    got = os.preadv(fd, bufs, start) if bufs else 0
+    if got < total:  # short read: finish op by op
+        for op, t in batch:
+            _read_runs(files, op, t)
+
+
+def _batches(items: list[tuple[ReadOp, np.ndarray]]) -> list[list[tuple[ReadOp, np.ndarray]]]:
+    """Group single-run ops on adjacent byte ranges of the same file."""
+    items = sorted(items, key=lambda it: (it[0].chunk.file, it[0].runs[0][0] if it[0].runs else 0))
+    out: list[list[tuple[ReadOp, np.ndarray]]] = []
+    for it in items:
+        op = it[0]
+        if out and len(op.runs) == 1 and len(out[-1]) < IOV_MAX:
+            last = out[-1][-1][0]
+            if (
+                len(last.runs) == 1
+                and last.chunk.file == op.chunk.file
+                and last.runs[0][0] + last.runs[0][1] == op.runs[0][0]
+                and op.runs[0][1] < (8 << 20)
+            ):
+                out[-1].append(it)
+                continue
+        out.append([it])
+    return out
+
+
+def _split(work: list, weights: list[int], parts: int) -> list[list]:
+    """Deal work items to ``parts`` lists with about equal total weight (largest first)."""
+    bins: list[list] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for w, item in sorted(zip(weights, range(len(work))), key=lambda x: -x[0]):
+        i = load.index(min(load))
+        bins[i].append(work[item])
+        load[i] += w
+    return [b for b in bins if b]
+
+
+def execute_reads(
+    root: Path, manifest: Manifest, ops: list[ReadOp], *, verify: bool, block: int, threads: int = 2
+) -> int:
+    """Run the read ops; returns bytes read from data files. Raises CorruptCheckpointError
+    before touching any non-fresh destination when a needed block is corrupt."""
+    with OpenFiles(root, manifest) as files, ThreadPoolExecutor(threads) as pool:
+        for i in sorted({op.chunk.file for op in ops}):
+            files.fd(i)  # size checks first
+        post_verify = [op for op in ops if verify and op.fill.fresh and op.whole_chunk]
+        post_ids = {id(op) for op in post_verify}
+        if verify:
+            verify_headers(files, {op.chunk.file for op in ops})
+            pre: dict[tuple[int, int], tuple[str, Chunk, set[int]]] = {}
+            for op in ops:
+                if id(op) in post_ids:
+                    continue
+                k = (op.chunk.file, op.chunk.start)
+                entry = pre.setdefault(k, (op.fill.key, op.chunk, set()))
+                entry[2].update(needed_blocks(op, block))
+            jobs = [(key, chunk, sorted(bl)) for key, chunk, bl in pre.values()]
+            groups = _split(jobs, [len(j[2]) * block for j in jobs], threads)
+            for f in [pool.submit(_run_hash_group, files, g, block) for g in groups]:
+                f.result()
+        targets = [(op, *_target(op)) for op in ops]
+        batches = _batches([(op, t) for op, t, _ in targets])
+        groups = _split(batches, [sum(op.nbytes for op, _ in b) for b in batches], threads)
+        for f in [pool.submit(_run_read_group, files, g) for g in groups]:
+            f.result()
+        if post_verify:
+            landed = {id(op): t for op, t, _ in targets}
+            jobs2 = [(op, landed[id(op)]) for op in post_verify]
+            groups = _split(jobs2, [op.nbytes for op, _ in jobs2], threads)
+            for f in [pool.submit(_run_post_verify, files, g, block) for g in groups]:
+                f.result()
+        for op, _, stage in targets:
+            if stage is not None:
+                rel = op.box.relative_to(op.fill.box)
+                op.fill.tensor[rel.slices()].copy_(stage)
+        return sum(op.nbytes for op in ops)
+
+
+def _run_hash_group(files: OpenFiles, jobs: list, block: int) -> None:
+    for key, chunk, blocks in jobs:
+        _hash_file_blocks(files, key, chunk, blocks, block)
+
+
+def _run_read_group(files: OpenFiles, batches: list) -> None:
+    for b in batches:
+        _read_batch(files, b)
+
+
+def _run_post_verify(files: OpenFiles, jobs: list, block: int) -> None:
+    for op, target in jobs:
+        _hash_landed(files, op, target, block)
+
+
+__all__ = ["execute_reads", "OpenFiles"]

@@ -1,0 +1,67 @@
+"""Every error shardsafe raises on purpose is a :class:`CheckpointError`."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class: something about a checkpoint (or a request for one) is wrong."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """There is no committed checkpoint at the path."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint already sits at the path and ``overwrite`` was not given."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Bytes on disk do not match what the manifest promises (checksum, size, header)."""
+
+
+class FormatVersionError(CheckpointError):
+    """The checkpoint was written in a format version this reader does not understand."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value in the state cannot be saved without pickle."""
+
+
+class KeyMismatchError(CheckpointError, KeyError):
+    """Keys of the destination and of the checkpoint disagree."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class MissingKeysError(KeyMismatchError):
+    """The destination asks for keys that the checkpoint does not hold."""
+
+
+class UnexpectedKeysError(KeyMismatchError):
+    """The checkpoint holds a different kind of value than the destination at a key
+    (for example a tensor where the destination has a nested dict), or keys were
+    requested that are not in the checkpoint."""
+
+
+class ShapeMismatchError(CheckpointError, ValueError):
+    """A tensor's saved global shape differs from the destination's."""
+
+
+class DtypeMismatchError(CheckpointError, TypeError):
+    """A tensor's saved dtype differs from the destination's."""
+
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "CorruptCheckpointError",
+    "FormatVersionError",
+    "UnsupportedValueError",
+    "KeyMismatchError",
+    "MissingKeysError",
+    "UnexpectedKeysError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+]

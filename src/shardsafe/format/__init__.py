@@ -1,0 +1,1 @@
+"""The on-disk contract (see docs/format.md)."""

@@ -1,0 +1,168 @@
+"""The manifest: one JSON file per checkpoint that describes everything in it.
+
+It is written last; a directory without a valid manifest is not a checkpoint. Its own
+integrity is protected by a trailing XXH3-64 over the bytes that precede the trailer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CorruptCheckpointError, FormatVersionError
+from .checksum import ALGORITHM, checksum
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_NAME = "shardsafe"
+FORMAT_VERSION = (1, 0)
+_TRAILER = b', "manifest_xxh3_64": "'
+
+KINDS = ("replicated", "sharded", "rank_local")
+
+
+@dataclass
+class Chunk:
+    """One saved box of a tensor, stored contiguously (row-major) in one data file."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    file: int  # index into Manifest.files
+    start: int  # absolute byte range in the file
+    end: int
+    checksum: str
+    rank: int  # the saving rank that wrote it
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "o": list(self.offsets),
+            "n": list(self.lengths),
+            "f": self.file,
+            "b": [self.start, self.end],
+            "x": self.checksum,
+            "r": self.rank,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Chunk:
+        return Chunk(tuple(d["o"]), tuple(d["n"]), d["f"], d["b"][0], d["b"][1], d["x"], d["r"])
+
+
+@dataclass
+class TensorEntry:
+    """A logical tensor: dtype, global shape, kind, and the chunks that cover it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str = "replicated"
+    chunks: list[Chunk] = field(default_factory=list)
+    layout: dict[str, Any] | None = None  # the saving layout (mesh, placements), when sharded
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "kind": self.kind}
+        if self.layout is not None:
+            d["layout"] = self.layout
+        d["chunks"] = [c.to_json() for c in self.chunks]
+        return d
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> TensorEntry:
+        return TensorEntry(
+            d["dtype"], tuple(d["shape"]), d.get("kind", "replicated"),
+            [Chunk.from_json(c) for c in d["chunks"]], d.get("layout"),
+        )
+
+
+@dataclass
+class FileEntry:
+    """A data file: its name in the checkpoint directory, size, writer and header checksum."""
+
+    name: str
+    nbytes: int
+    rank: int
+    header_bytes: int
+    header_checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "bytes": self.nbytes, "rank": self.rank,
+                "header_bytes": self.header_bytes, "header_x": self.header_checksum}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> FileEntry:
+        return FileEntry(d["name"], d["bytes"], d["rank"], d["header_bytes"], d["header_x"])
+
+
+@dataclass
+class Manifest:
+    """Everything a reader needs: files, tensors, the typed-JSON value tree."""
+
+    tree: Any
+    tensors: dict[str, TensorEntry]
+    files: list[FileEntry]
+    world_size: int = 1
+    rank_local: dict[str, list[Any]] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    writer: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    version: tuple[int, int] = FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
+        """Serialize with the integrity trailer; ``from_bytes`` is its inverse."""
+        body = {
+            "format": FORMAT_NAME,
+            "version": list(self.version),
+            "checksum_algorithm": ALGORITHM,
+            "created": self.created,
+            "writer": self.writer,
+            "world_size": self.world_size,
+            "extra": self.extra,
+            "files": [f.to_json() for f in self.files],
+            "tensors": {k: t.to_json() for k, t in self.tensors.items()},
+            "rank_local": self.rank_local,
+            "tree": self.tree,
+        }
+        text = json.dumps(body, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        head = text[:-1]  # drop the closing brace; the trailer closes the object
+        return head + _TRAILER + checksum(head).encode("ascii") + b'"}\n'
+
+    @staticmethod
+    def from_bytes(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
+        """Parse and verify a manifest; errors name ``where``."""
+        cut = data.rfind(_TRAILER)
+        if cut < 0:
+            raise CorruptCheckpointError(f"{where}: manifest has no integrity trailer (truncated or not ours)")
+        head = data[:cut]
+        stored = data[cut + len(_TRAILER): cut + len(_TRAILER) + 16].decode("ascii", "replace")
+        if data[cut + len(_TRAILER) + 16:].rstrip(b"\n") != b'"}' or checksum(head) != stored:
+            raise CorruptCheckpointError(f"{where}: manifest checksum mismatch (the file is corrupt)")
+        try:
+            body = json.loads(head + b"}")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CorruptCheckpointError(f"{where}: manifest is not valid JSON: {exc}") from None
+        if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+            raise CorruptCheckpointError(f"{where}: not a shardsafe manifest")
+        version = body.get("version")
+        if not (isinstance(version, list) and len(version) == 2 and all(isinstance(v, int) for v in version)):
+            raise CorruptCheckpointError(f"{where}: bad format version {version!r}")
+        if version[0] != FORMAT_VERSION[0]:
+            raise FormatVersionError(
+                f"{where}: format version {version[0]}.{version[1]} is not readable by this shardsafe "
+                f"(reads {FORMAT_VERSION[0]}.x); upgrade shardsafe to load it"
+            )
+        if body.get("checksum_algorithm") != ALGORITHM:
+            raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {body.get('checksum_algorithm')!r}")
+        try:
+            return Manifest(
+                tree=body["tree"],
+                tensors={k: TensorEntry.from_json(v) for k, v in body["tensors"].items()},
+                files=[FileEntry.from_json(f) for f in body["files"]],
+                world_size=body["world_size"],
+                rank_local=body.get("rank_local", {}),
+                created=body.get("created", 0.0),
+                writer=body.get("writer", {}),
+                extra=body.get("extra", {}),
+                version=(version[0], version[1]),
+            )
+        except (KeyError, TypeError, IndexError) as exc:
+            raise CorruptCheckpointError(f"{where}: manifest is missing a field: {exc!r}") from None

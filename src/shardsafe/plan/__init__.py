@@ -1,0 +1,1 @@
+"""Who writes what, and who reads what: plans as plain data."""

@@ -1,0 +1,1 @@
+"""Live objects <-> state trees."""

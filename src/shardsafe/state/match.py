@@ -1,0 +1,224 @@
+"""Match a destination state (what ``load`` fills in place) against a saved tree.
+
+Everything is checked before any byte is written: the result lists the tensors to fill,
+the container assignments and the Stateful ``load_state_dict`` calls to make after the
+data has been read, and every problem found (missing keys, kind, shape and dtype
+mismatches). Rules (docs/format.md, "Loading"):
+
+- a destination tensor is filled in place from the saved tensor at the same key;
+- a destination dict receives every entry the checkpoint holds for it, except at the
+  top level, where only the requested keys are loaded (partial loads);
+- a plain value in the destination is replaced by the saved value; a list or tuple of a
+  different length is replaced whole;
+- a Stateful is asked for its ``state_dict()``, that tree is filled by these rules, and
+  ``load_state_dict`` is called with it once all data is in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    MissingKeysError,
+    ShapeMismatchError,
+    UnexpectedKeysError,
+)
+from ..format.dtypes import torch_dtype
+from ..format.manifest import Manifest
+from ..format.values import decode
+from ..layout import Box
+from .tree import is_stateful, join_key, saved_items, saved_ref, saved_sequence
+
+
+@dataclass
+class Fill:
+    """Fill ``tensor`` (a local tensor covering ``box`` of the saved tensor ``key``)."""
+
+    key: str
+    tensor: torch.Tensor
+    box: Box
+    fresh: bool  # allocated by the loader (nobody else sees it until the load succeeds)
+
+
+@dataclass
+class MatchResult:
+    fills: list[Fill] = field(default_factory=list)
+    assigns: list[Callable[[], None]] = field(default_factory=list)
+    statefuls: list[tuple[Any, Callable[[], Any]]] = field(default_factory=list)
+    errors: list[CheckpointError] = field(default_factory=list)
+
+    def raise_errors(self) -> None:
+        """Raise one error (of the first problem's class) that lists every problem."""
+        if not self.errors:
+            return
+        first = self.errors[0]
+        if len(self.errors) == 1:
+            raise first
+        lines = [str(e) for e in self.errors[:20]]
+        more = f"\n  ... and {len(self.errors) - 20} more" if len(self.errors) > 20 else ""
+        raise type(first)(f"{len(self.errors)} problems:\n  " + "\n  ".join(lines) + more)
+
+
+# How a destination tensor is described: its local tensor and its box in the global shape.
+TensorView = Callable[[torch.Tensor], tuple[torch.Tensor, Box, tuple[int, ...]]]
+
+
+def plain_view(t: torch.Tensor) -> tuple[torch.Tensor, Box, tuple[int, ...]]:
+    return t, Box.whole(t.shape), tuple(t.shape)
+
+
+class Matcher:
+    """Walks a destination against a saved tree; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        rank: int = 0,
+        strict: bool = True,
+        view: TensorView = plain_view,
+        rank_local_tree: Callable[[str], Any] | None = None,
+    ) -> None:
+        self.manifest = manifest
+        self.rank = rank
+        self.strict = strict
+        self.view = view
+        self.rank_local_tree = rank_local_tree
+        self.result = MatchResult()
+
+    # -- fresh values -------------------------------------------------------------
+    def fresh_tensor(self, key: str) -> torch.Tensor:
+        entry = self.manifest.tensors.get(key)
+        if entry is None:
+            raise MissingKeysError(f"manifest references tensor '{key}' that it does not describe")
+        dtype = torch_dtype(entry.dtype)
+        if dtype is None:
+            raise CheckpointError(f"tensor '{key}': dtype {entry.dtype!r} is not supported by this torch")
+        t = torch.empty(entry.shape, dtype=dtype)
+        self.result.fills.append(Fill(key, t, Box.whole(entry.shape), fresh=True))
+        return t
+
+    def materialize(self, saved: Any) -> Any:
+        """A fresh Python value for a saved node, tensors allocated and queued for reading."""
+
+        def on_ref(tag: str, key: str) -> Any:
+            if tag == "$tensor":
+                return self.fresh_tensor(key)
+            return self.materialize(self._rank_local(key))
+
+        return decode(saved, on_ref)
+
+    def _rank_local(self, key: str) -> Any:
+        if self.rank_local_tree is None:
+            per_rank = self.manifest.rank_local.get(key)
+            if not per_rank or self.rank >= len(per_rank):
+                raise MissingKeysError(f"rank-local value '{key}' has no entry for rank {self.rank}")
+            return per_rank[self.rank]
+        return self.rank_local_tree(key)
+
+    # -- matching -----------------------------------------------------------------
+    def match(self, dest: Any, saved: Any, parts: list[str], top: bool = False) -> Any:
+        """Return the value that should stand at this position after the load."""
+        path = join_key(parts) or "<root>"
+        ref = saved_ref(saved)
+        if ref is not None and ref[0] == "$rank_local":
+            try:
+                saved = self._rank_local(ref[1])
+            except CheckpointError as exc:
+                self.result.errors.append(exc)
+                return dest
+            ref = saved_ref(saved)
+        if isinstance(dest, torch.Tensor):
+            if ref is None or ref[0] != "$tensor":
+                self.result.errors.append(
+                    UnexpectedKeysError(f"key '{path}': the destination holds a tensor, the checkpoint does not")
+                )
+                return dest
+            self._match_tensor(dest, ref[1], path)
+            return dest
+        if is_stateful(dest):
+            sub = dest.state_dict()
+            holder = [sub]
+            holder[0] = self.match(sub, saved, parts)
+            self.result.statefuls.append((dest, lambda: holder[0]))
+            return dest
+        if isinstance(dest, dict):
+            items = saved_items(saved)
+            if items is None:
+                self.result.errors.append(
+                    UnexpectedKeysError(f"key '{path}': the destination holds a dict, the checkpoint does not")
+                )
+                return dest
+            saved_map = dict(items)
+            for k, v in list(dest.items()):
+                if k not in saved_map:
+                    if self.strict:
+                        self.result.errors.append(
+                            MissingKeysError(f"key '{join_key(parts + [str(k)])}' is not in the checkpoint")
+                        )
+                    continue
+                new = self.match(v, saved_map[k], parts + [str(k)])
+                if new is not v:
+                    self.result.assigns.append(_setter(dest, k, new))
+            if not top:
+                for k, v in items:
+                    if k not in dest:
+                        self._assign_fresh(dest, k, v, parts + [str(k)])
+            return dest
+        if isinstance(dest, (list, tuple)):
+            kind = list if isinstance(dest, list) else tuple
+            seq = saved_sequence(saved, kind)
+            if seq is None or len(seq) != len(dest):
+                return self._fresh_or_error(saved, path)
+            new_items = [self.match(d, s, parts + [str(i)]) for i, (d, s) in enumerate(zip(dest, seq))]
+            if kind is list:
+                for i, (old, new) in enumerate(zip(dest, new_items)):
+                    if new is not old:
+                        self.result.assigns.append(_setter(dest, i, new))
+                return dest
+            return tuple(new_items)
+        return self._fresh_or_error(saved, path)
+
+    def _fresh_or_error(self, saved: Any, path: str) -> Any:
+        try:
+            return self.materialize(saved)
+        except CheckpointError as exc:
+            self.result.errors.append(type(exc)(f"key '{path}': {exc}"))
+            return None
+
+    def _assign_fresh(self, container: dict, k: Any, saved: Any, parts: list[str]) -> None:
+        new = self._fresh_or_error(saved, join_key(parts))
+        self.result.assigns.append(_setter(container, k, new))
+
+    def _match_tensor(self, dest: torch.Tensor, key: str, path: str) -> None:
+        entry = self.manifest.tensors.get(key)
+        if entry is None:
+            self.result.errors.append(MissingKeysError(f"key '{path}': tensor '{key}' is not in the manifest"))
+            return
+        local, box, global_shape = self.view(dest)
+        if tuple(entry.shape) != tuple(global_shape):
+            self.result.errors.append(
+                ShapeMismatchError(
+                    f"key '{path}': saved shape {list(entry.shape)}, destination shape {list(global_shape)}"
+                )
+            )
+            return
+        expected = str(local.dtype).removeprefix("torch.")
+        if entry.dtype != expected:
+            self.result.errors.append(
+                DtypeMismatchError(f"key '{path}': saved dtype {entry.dtype}, destination dtype {expected}")
+            )
+            return
+        self.result.fills.append(Fill(key, local, box, fresh=False))
+
+
+def _setter(container: Any, k: Any, v: Any) -> Callable[[], None]:
+    def assign() -> None:
+        container[k] = v
+
+    return assign

@@ -1,0 +1,152 @@
+"""State trees: flatten a live state (tensors, Statefuls, plain values) into typed JSON
+plus named tensors for saving, and match a destination tree against a saved one for
+loading.
+
+Tensor keys are the dotted paths of their positions ("model.layers.0.weight"): dict
+keys, and list / tuple indices as decimal strings, joined by ".".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..errors import UnsupportedValueError
+from ..format.values import encode_dict_key, encode_scalar
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict(sd)`` (modules, optimizers,
+    schedulers, user objects)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+def is_stateful(obj: Any) -> bool:
+    return not isinstance(obj, (dict, list, tuple, torch.Tensor)) and isinstance(obj, Stateful)
+
+
+class RankLocal:
+    """Marks a value that differs per rank on purpose; see :func:`shardsafe.rank_local`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"rank_local({self.value!r})"
+
+
+def rank_local(value: Any) -> RankLocal:
+    """Mark ``value`` as rank-local: every rank stores its own copy and gets it back."""
+    return RankLocal(value)
+
+
+def join_key(parts: list[str]) -> str:
+    return ".".join(parts)
+
+
+def _plain_keys(d: dict) -> bool:
+    return all(isinstance(k, str) and not k.startswith("$") for k in d)
+
+
+@dataclass
+class FlatState:
+    """A flattened state: typed-JSON tree with placeholders, tensors and rank-local values by key."""
+
+    tree: Any
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    rank_local: dict[str, Any] = field(default_factory=dict)
+
+
+def rank_local_key(key: str, rank: int) -> str:
+    """The tensor-key prefix under which rank ``rank`` stores its part of rank-local ``key``."""
+    return f"{key}#rank{rank}"
+
+
+def flatten(state: Any, rank: int = 0) -> FlatState:
+    """Flatten ``state``; Statefuls are replaced by their ``state_dict()``.
+
+    Rank-local values are flattened too: their tree goes to ``rank_local[key]`` and
+    their tensors are named under :func:`rank_local_key`. Raises UnsupportedValueError
+    naming the key path of any value that cannot be saved without pickle, or of two
+    positions whose dotted keys collide."""
+    flat = FlatState(tree=None)
+    seen: dict[str, str] = {}
+
+    def claim(parts: list[str]) -> str:
+        key = join_key(parts)
+        if key in seen:
+            raise UnsupportedValueError(f"two values map to the same key '{key}' (dotted paths collide)")
+        seen[key] = key
+        return key
+
+    def walk(obj: Any, parts: list[str]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            key = claim(parts)
+            flat.tensors[key] = obj
+            return {"$tensor": key}
+        if isinstance(obj, RankLocal):
+            key = claim(parts)
+            flat.rank_local[key] = walk(obj.value, [rank_local_key(key, rank)])
+            return {"$rank_local": key}
+        if is_stateful(obj):
+            return walk(obj.state_dict(), parts)
+        if isinstance(obj, dict):
+            path = join_key(parts)
+            if _plain_keys(obj):
+                return {k: walk(v, parts + [k]) for k, v in obj.items()}
+            return {"$dict": [[encode_dict_key(k, path), walk(v, parts + [str(k)])] for k, v in obj.items()]}
+        if type(obj) is list:
+            return [walk(v, parts + [str(i)]) for i, v in enumerate(obj)]
+        if type(obj) is tuple:
+            return {"$tuple": [walk(v, parts + [str(i)]) for i, v in enumerate(obj)]}
+        if isinstance(obj, (list, tuple)):
+            raise UnsupportedValueError(
+                f"cannot save value at '{join_key(parts)}': type {type(obj).__qualname__} "
+                "(a subclass of list/tuple would come back as a plain one)"
+            )
+        return encode_scalar(obj, join_key(parts))
+
+    flat.tree = walk(state, [])
+    return flat
+
+
+def saved_items(saved: Any) -> list[tuple[Any, Any]] | None:
+    """The (key, typed-JSON value) pairs of a saved dict node, or None if it is not a dict."""
+    if isinstance(saved, dict):
+        if len(saved) == 1 and "$dict" in saved:
+            from ..format.values import decode
+
+            return [(decode(k), v) for k, v in saved["$dict"]]
+        if not any(k.startswith("$") for k in saved):
+            return list(saved.items())
+    return None
+
+
+def saved_sequence(saved: Any, kind: type) -> list[Any] | None:
+    """The elements of a saved list (kind=list) or tuple (kind=tuple) node, else None."""
+    if kind is list and isinstance(saved, list):
+        return saved
+    if kind is tuple and isinstance(saved, dict) and len(saved) == 1 and "$tuple" in saved:
+        return saved["$tuple"]
+    return None
+
+
+def saved_ref(saved: Any) -> tuple[str, str] | None:
+    """(tag, key) when a saved node is a tensor or rank-local placeholder."""
+    if isinstance(saved, dict) and len(saved) == 1:
+        ((tag, key),) = saved.items()
+        if tag in ("$tensor", "$rank_local") and isinstance(key, str):
+            return tag, key
+    return None
+
+
+Assign = Callable[[], None]

@@ -1,0 +1,1 @@
+"""Where checkpoint bytes live: the local filesystem for now."""
