@@ -63,8 +63,6 @@ def save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False)
     tensors: dict[str, TensorEntry] = {}
     for key, t in flat.tensors.items():
         tensors[key] = TensorEntry(dtype_name(t.dtype, key), tuple(t.shape), "replicated")
-    for key in flat.rank_local:
-        pass  # rank-local tensors are named under the key and flagged below
     plans = plan_local(flat.tensors)
     for old in local.stale_siblings(path):
         if local.TMP_MARK in old.name:

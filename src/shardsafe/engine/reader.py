@@ -109,7 +109,11 @@ def _hash_file_blocks(files: OpenFiles, key: str, chunk: Chunk, blocks: list[int
     i = 0
     while i < len(blocks):
         j = i
-        while j + 1 < len(blocks) and blocks[j + 1] == blocks[j] + 1 and (blocks[j + 1] - blocks[i] + 1) * block <= MAP_WINDOW:
+        while (
+            j + 1 < len(blocks)
+            and blocks[j + 1] == blocks[j] + 1
+            and (blocks[j + 1] - blocks[i] + 1) * block <= MAP_WINDOW
+        ):
             j += 1
         lo = chunk.start + blocks[i] * block
         hi = min(chunk.end, chunk.start + (blocks[j] + 1) * block)
