@@ -1,10 +1,24 @@
-"""save / load / load_full: wire the layers together."""
+"""save / load / load_full: wire the layers together, on one process or a process group.
+
+Save protocol (every rank of the group calls ``save``):
+  1. each rank flattens its state and describes what it holds (keys, dtypes, shapes,
+     boxes); one ``all_gather_object`` shares the descriptions (and rank 0's choice of
+     temporary directory, and any error), so every rank computes the same global plan;
+  2. each rank writes its file into the temporary directory and fsyncs it; one
+     ``gather_object`` brings the write results and rank-local values to rank 0, which
+     writes the manifest last and commits atomically; a one-integer all-reduce then tells
+     every rank whether the commit happened.
+Load: every rank reads the manifest and plans its own reads; ranks agree on errors once
+after validation and checksum verification (before any destination byte is written)
+and once after reading.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,35 +27,50 @@ from typing import Any
 import torch
 
 from . import __version__
-from .engine.reader import execute_reads
+from .comm import Comm, describe, rebuild, resolve
+from .engine.reader import ReadSession
 from .engine.writer import write_data_file
 from .errors import CheckpointError, MissingKeysError
+from .format.checksum import checksum
 from .format.dtypes import dtype_name
 from .format.manifest import MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry
-from .plan.load_plan import plan_reads
-from .plan.save_plan import plan_local
+from .layout import Box
+from .plan.load_plan import DEFAULT_MAX_BUFFER, plan_reads
+from .plan.save_plan import (
+    FilePlan,
+    GlobalPlan,
+    TensorLayout,
+    WriteItem,
+    data_file_name,
+    layout_digest,
+    plan_global,
+)
 from .state.match import Matcher
-from .state.tree import flatten, join_key, saved_items
+from .state.sharding import dtensor_pieces, is_dtensor, layout_of
+from .state.tree import FlatState, flatten, join_key, saved_items
 from .storage import local
 
 CHECKSUM_BLOCK = 1 << 20
 PathLike = str | os.PathLike
+_PLAN_CACHE: dict[str, GlobalPlan] = {}
+_PLAN_CACHE_SIZE = 4
 
 
 @dataclass
 class SaveInfo:
-    """What a save did."""
+    """What a save did (bytes and files are this rank's own)."""
 
     path: Path
     bytes_written: int
     files: int
     tensors: int
     seconds: float
+    plan_cached: bool = False
 
 
 @dataclass
 class LoadInfo:
-    """What a load did."""
+    """What a load did on this rank."""
 
     path: Path
     bytes_read: int
@@ -49,55 +78,204 @@ class LoadInfo:
     seconds: float
 
 
-def save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False) -> SaveInfo:
+# ----------------------------------------------------------------------------- save
+
+
+def _local_layout(flat: FlatState) -> tuple[list[TensorLayout], dict[tuple[str, Box], torch.Tensor], dict]:
+    """This rank's tensor layouts, the local source of each box, and DTensor layouts."""
+    layouts: list[TensorLayout] = []
+    sources: dict[tuple[str, Box], torch.Tensor] = {}
+    dlayouts: dict[str, Any] = {}
+    for key, t in flat.tensors.items():
+        name = dtype_name(t.dtype, key)
+        if is_dtensor(t):
+            local_t = t.to_local()
+            pieces = dtensor_pieces(t)
+            boxes = [p.box for p in pieces]
+            for p in pieces:
+                sources[(key, p.box)] = local_t[p.local_slices]
+            kind = "sharded" if any(not _is_replicate(p) for p in t.placements) else "replicated"
+            dlayouts[key] = layout_of(t)
+        else:
+            boxes = [Box.whole(t.shape)]
+            sources[(key, boxes[0])] = t
+            kind = "rank_local" if key in flat.rank_local_tensors else "replicated"
+        layouts.append(TensorLayout(key, name, tuple(t.shape), t.element_size(), kind, boxes))
+    return layouts, sources, dlayouts
+
+
+def _is_replicate(p: Any) -> bool:
+    from torch.distributed.tensor import Replicate
+
+    return isinstance(p, Replicate)
+
+
+def _source_for(sources: dict[tuple[str, Box], torch.Tensor], key: str, box: Box) -> torch.Tensor:
+    """The local tensor holding ``box`` of ``key`` (a row range of a held box when split)."""
+    exact = sources.get((key, box))
+    if exact is not None:
+        return exact
+    for (k, held), t in sources.items():
+        if k == key and held.contains(box):
+            return t[box.relative_to(held).slices()]
+    raise CheckpointError(f"tensor '{key}': this rank was asked to write {box} but does not hold it")
+
+
+def _plan(layouts_wire: list[list[tuple]]) -> tuple[GlobalPlan, bool]:
+    digest = layout_digest(layouts_wire)
+    cached = _PLAN_CACHE.get(digest)
+    if cached is not None:
+        return cached, True
+    plan = plan_global([[TensorLayout.from_wire(w) for w in ws] for ws in layouts_wire])
+    if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
+    _PLAN_CACHE[digest] = plan
+    return plan, False
+
+
+def save(
+    state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False, process_group: Any = None
+) -> SaveInfo:
     """Save ``state_dict`` as a checkpoint directory at ``path``, crash-safely.
 
+    With a process group (default: the world group when initialized) every rank calls
+    ``save``; each writes only what it owns and replicated values are written once.
     The checkpoint becomes visible only once complete; an existing checkpoint at
     ``path`` is replaced only with ``overwrite=True`` and stays intact until the new one
     is committed. Values that cannot be saved without pickle raise
-    UnsupportedValueError naming their key before anything is written."""
+    UnsupportedValueError naming their key on every rank, before anything is written."""
     t0 = time.perf_counter()
     path = Path(path)
-    local.check_target(path, overwrite)
-    flat = flatten(state_dict)
-    tensors: dict[str, TensorEntry] = {}
-    for key, t in flat.tensors.items():
-        tensors[key] = TensorEntry(dtype_name(t.dtype, key), tuple(t.shape), "replicated")
-    plans = plan_local(flat.tensors)
-    for old in local.stale_siblings(path):
-        if local.TMP_MARK in old.name:
-            shutil.rmtree(old, ignore_errors=True)
-    tmp = local.temp_sibling(path)
+    comm = resolve(process_group)
+
+    # Step 1: describe, gather, plan.
+    error: BaseException | None = None
+    wire: list[tuple] = []
+    tree_digest = ""
+    tmp_name = ""
+    flat = FlatState(tree=None)
+    sources: dict[tuple[str, Box], torch.Tensor] = {}
+    dlayouts: dict[str, Any] = {}
     try:
-        files: list[FileEntry] = []
-        with ThreadPoolExecutor(1) as pool:
-            for plan in plans:
-                entry, written = write_data_file(tmp, plan, CHECKSUM_BLOCK, pool)
-                index = len(files)
-                files.append(entry)
-                for w in written:
-                    tensors[w.item.key].chunks.append(
-                        Chunk(w.item.box.offsets, w.item.box.lengths, index, w.start, w.end, w.checksums, plan.rank)
-                    )
-        for key in tensors:
-            if "#rank" in key:
-                tensors[key].kind = "rank_local"
-        manifest = Manifest(
-            tree=flat.tree,
-            tensors=tensors,
-            files=files,
-            world_size=1,
-            rank_local={k: [v] for k, v in flat.rank_local.items()},
-            writer={"shardsafe": __version__, "torch": torch.__version__},
-            extra={"checksum_block": CHECKSUM_BLOCK},
-        )
-        local.write_small_file(tmp / MANIFEST_NAME, manifest.to_bytes())
-        local.commit(tmp, path)
-    except BaseException:
+        flat = flatten(state_dict, comm.rank)
+        layouts, sources, dlayouts = _local_layout(flat)
+        wire = [tl.to_wire() for tl in layouts]
+        tree_digest = checksum(repr(flat.tree).encode())
+        if comm.rank == 0:
+            local.check_target(path, overwrite)
+            for old in local.stale_siblings(path):
+                if local.TMP_MARK in old.name:
+                    shutil.rmtree(old, ignore_errors=True)
+            tmp_name = str(local.temp_sibling(path))
+    except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
+        error = exc
+    gathered = comm.all_gather((None if error is None else describe(error, comm.rank), wire, tree_digest, tmp_name))
+    failures = [g[0] for g in gathered if g[0] is not None]
+    tmp = Path(gathered[0][3]) if gathered[0][3] else None
+    if failures:
+        if comm.rank == 0 and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if comm.world == 1 and error is not None:
+            raise error
+        raise rebuild(failures[0]) from error
+    assert tmp is not None
+    digests = [g[2] for g in gathered]
+
+    # Step 2: write, gather results, commit on rank 0.
+    results: list[tuple[FileEntry, list[tuple[str, Box, int, int, list[str]]]]] = []
+    plan_cached = False
+    my_tree = None
+    try:
+        plan, plan_cached = _plan([g[1] for g in gathered])
+        items = [WriteItem(a.key, a.box, a.whole, _source_for(sources, a.key, a.box)) for a in plan.by_rank[comm.rank]]
+        if items:
+            with ThreadPoolExecutor(1) as pool:
+                entry, written = write_data_file(tmp, FilePlan(data_file_name(comm.rank), comm.rank, items),
+                                                 CHECKSUM_BLOCK, pool)
+            results.append((entry, [(w.item.key, w.item.box, w.start, w.end, w.checksums) for w in written]))
+        if comm.rank != 0 and digests[comm.rank] != digests[0]:
+            my_tree = flat.tree
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    collected = comm.gather((None if error is None else describe(error, comm.rank), results, flat.rank_local,
+                             my_tree))
+    committed = True
+    commit_error: BaseException | None = error
+    if error is not None and not comm.distributed:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    total = sum(f.nbytes for f in files)
-    return SaveInfo(path, total, len(files), len(tensors), time.perf_counter() - t0)
+        raise error
+    if comm.rank == 0:
+        assert collected is not None
+        try:
+            bad = [c[0] for c in collected if c[0] is not None]
+            if bad:
+                commit_error = rebuild(bad[0])
+                raise commit_error
+            manifest = _build_manifest(plan, collected, flat.tree, dlayouts, comm.world)
+            local.write_small_file(tmp / MANIFEST_NAME, manifest.to_bytes())
+            local.commit(tmp, path)
+        except BaseException as exc:
+            committed = False
+            commit_error = commit_error or exc
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not comm.distributed:
+                raise
+    ok = comm.all_ok(committed)
+    if not ok:
+        if commit_error is not None:
+            raise commit_error if isinstance(commit_error, CheckpointError) else CheckpointError(
+                f"rank {comm.rank}: save failed: {commit_error}") from commit_error
+        raise CheckpointError(f"save to {path} failed on another rank (rank 0 did not commit); see its error")
+    mine = sum(e.nbytes for e, _ in results)
+    return SaveInfo(path, mine, len(results), len(flat.tensors), time.perf_counter() - t0, plan_cached)
+
+
+def _build_manifest(plan: GlobalPlan, collected: list, tree: Any, dlayouts: dict, world: int) -> Manifest:
+    tensors = {key: TensorEntry(dt, shape, kind, [], dlayouts.get(key)) for key, (dt, shape, kind) in
+               plan.tensors.items()}
+    files: list[FileEntry] = []
+    rank_local: dict[str, list[Any]] = {}
+    merged_tree = tree
+    for rank, (_, results, rl, other_tree) in enumerate(collected):
+        for entry, chunks in results:
+            index = len(files)
+            files.append(entry)
+            for key, box, start, end, sums in chunks:
+                tensors[key].chunks.append(Chunk(box.offsets, box.lengths, index, start, end, sums, rank))
+        for key, value in rl.items():
+            rank_local.setdefault(key, [None] * world)[rank] = value
+        if other_tree is not None:
+            merged_tree = _merge_trees(merged_tree, other_tree, [], rank)
+    for entry in tensors.values():
+        entry.chunks.sort(key=lambda c: c.offsets)
+    return Manifest(
+        tree=merged_tree,
+        tensors=tensors,
+        files=files,
+        world_size=world,
+        rank_local=rank_local,
+        writer={"shardsafe": __version__, "torch": torch.__version__},
+        extra={"checksum_block": CHECKSUM_BLOCK},
+    )
+
+
+def _merge_trees(base: Any, other: Any, parts: list[str], rank: int) -> Any:
+    """Add to rank 0's tree the dict entries only another rank has; warn on conflicts."""
+    if isinstance(base, dict) and isinstance(other, dict) and not any(k.startswith("$") for k in base):
+        out = dict(base)
+        for k, v in other.items():
+            out[k] = _merge_trees(base[k], v, parts + [k], rank) if k in base else v
+        return out
+    if base != other:
+        warnings.warn(
+            f"value at '{join_key(parts) or '<root>'}' differs between rank 0 and rank {rank}; rank 0's is "
+            "saved (mark per-rank values with shardsafe.rank_local)",
+            stacklevel=4,
+        )
+    return base
+
+
+# ----------------------------------------------------------------------------- load
 
 
 def read_manifest(path: PathLike) -> Manifest:
@@ -114,22 +292,52 @@ def _block(manifest: Manifest) -> int:
     return block
 
 
-def load(state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, verify: bool = True) -> LoadInfo:
-    """Load the checkpoint at ``path`` into ``state_dict`` in place.
+def load(
+    state_dict: dict[str, Any],
+    path: PathLike,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    process_group: Any = None,
+    max_buffer: int = DEFAULT_MAX_BUFFER,
+) -> LoadInfo:
+    """Load the checkpoint at ``path`` into ``state_dict`` in place, on one process or on
+    every rank of a process group, whatever world size or layout saved it.
 
-    Tensors are filled in place, Statefuls get ``load_state_dict`` with their filled
-    tree, other values are replaced. Keys, shapes and dtypes are validated — and with
-    ``verify`` the checksums of every needed block — before any destination byte is
-    written, so a failed load leaves the destination untouched."""
+    Tensors (plain or DTensor) are filled in place with only the bytes they need,
+    Statefuls get ``load_state_dict`` with their filled tree, other values are replaced.
+    Keys, shapes and dtypes are validated — and with ``verify`` the checksum of every
+    needed block — before any destination byte is written, so a failed load leaves the
+    destination untouched; every rank raises the same error."""
     t0 = time.perf_counter()
     path = Path(path)
-    manifest = read_manifest(path)
-    matcher = Matcher(manifest, rank=0, strict=strict)
-    matcher.match(state_dict, manifest.tree, [], top=True)
-    result = matcher.result
-    result.raise_errors()
-    ops = plan_reads(manifest, result.fills)
-    nbytes = execute_reads(path, manifest, ops, verify=verify, block=_block(manifest))
+    comm = resolve(process_group)
+    error: BaseException | None = None
+    session: ReadSession | None = None
+    result = None
+    try:
+        manifest = read_manifest(path)
+        matcher = Matcher(manifest, rank=comm.rank, strict=strict)
+        matcher.match(state_dict, manifest.tree, [], top=True)
+        result = matcher.result
+        result.raise_errors()
+        ops = plan_reads(manifest, result.fills, max_buffer)
+        session = ReadSession(path, manifest, ops, verify=verify, block=_block(manifest))
+        session.verify()
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    try:
+        _agree(comm, error)
+        nbytes = 0
+        try:
+            assert session is not None and result is not None
+            nbytes = session.read()
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        _agree(comm, error)
+    finally:
+        if session is not None:
+            session.close()
     for assign in result.assigns:
         assign()
     for obj, get in result.statefuls:
@@ -137,8 +345,19 @@ def load(state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, ver
     return LoadInfo(path, nbytes, len({f.key for f in result.fills}), time.perf_counter() - t0)
 
 
-def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True) -> dict[str, Any]:
-    """A fresh tree of CPU tensors and values from the checkpoint at ``path``.
+def _agree(comm: Comm, error: BaseException | None) -> None:
+    if not comm.distributed:
+        if error is not None:
+            raise error
+        return
+    comm.agree(error)
+
+
+def load_full(
+    path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True, rank: int = 0
+) -> dict[str, Any]:
+    """A fresh tree of full CPU tensors and values from the checkpoint at ``path``
+    (rank-local values: those of saving rank ``rank``). Needs no process group.
 
     ``keys`` restricts the result to the given dotted keys or key prefixes (for example
     ``"model"`` or ``"model.layers.0.weight"``); a key that matches nothing raises
@@ -148,11 +367,13 @@ def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bo
     tree = manifest.tree
     if keys is not None:
         tree = _prune(tree, [keys] if isinstance(keys, str) else list(keys))
-    matcher = Matcher(manifest, rank=0)
+    matcher = Matcher(manifest, rank=rank)
     value = matcher.materialize(tree)
     matcher.result.raise_errors()
     ops = plan_reads(manifest, matcher.result.fills)
-    execute_reads(path, manifest, ops, verify=verify, block=_block(manifest))
+    with ReadSession(path, manifest, ops, verify=verify, block=_block(manifest)) as session:
+        session.verify()
+        session.read()
     return value
 
 

@@ -144,12 +144,10 @@ def _hash_landed(files: OpenFiles, op: ReadOp, target: np.ndarray, block: int) -
             raise _bad_block(files, op.fill.key, chunk, chunk.start + b * block, chunk.start + b * block + len(piece))
 
 
-def _target(op: ReadOp) -> tuple[np.ndarray, torch.Tensor | None]:
-    """Where the op's bytes land: the destination itself, or a staging tensor to copy from."""
-    if op.direct:
-        return byte_view(op.fill.tensor), None
-    stage = torch.empty(op.box.lengths, dtype=op.fill.tensor.dtype)
-    return byte_view(stage), stage
+def _direct_target(op: ReadOp) -> np.ndarray:
+    """The slice of the destination's bytes that ``op`` fills directly."""
+    lo, hi = op.dest_range  # type: ignore[misc]
+    return byte_view(op.fill.tensor)[lo:hi]
 
 
 def _read_runs(files: OpenFiles, op: ReadOp, target: np.ndarray) -> None:
@@ -208,45 +206,83 @@ def _split(work: list, weights: list[int], parts: int) -> list[list]:
     return [b for b in bins if b]
 
 
-def execute_reads(
-    root: Path, manifest: Manifest, ops: list[ReadOp], *, verify: bool, block: int, threads: int = 2
-) -> int:
-    """Run the read ops; returns bytes read from data files. Raises CorruptCheckpointError
-    before touching any non-fresh destination when a needed block is corrupt."""
-    with OpenFiles(root, manifest) as files, ThreadPoolExecutor(threads) as pool:
-        for i in sorted({op.chunk.file for op in ops}):
-            files.fd(i)  # size checks first
-        post_verify = [op for op in ops if verify and op.fill.fresh and op.whole_chunk]
-        post_ids = {id(op) for op in post_verify}
-        if verify:
-            verify_headers(files, {op.chunk.file for op in ops})
-            pre: dict[tuple[int, int], tuple[str, Chunk, set[int]]] = {}
-            for op in ops:
-                if id(op) in post_ids:
-                    continue
-                k = (op.chunk.file, op.chunk.start)
-                entry = pre.setdefault(k, (op.fill.key, op.chunk, set()))
-                entry[2].update(needed_blocks(op, block))
-            jobs = [(key, chunk, sorted(bl)) for key, chunk, bl in pre.values()]
-            groups = _split(jobs, [len(j[2]) * block for j in jobs], threads)
-            for f in [pool.submit(_run_hash_group, files, g, block) for g in groups]:
-                f.result()
-        targets = [(op, *_target(op)) for op in ops]
-        batches = _batches([(op, t) for op, t, _ in targets])
-        groups = _split(batches, [sum(op.nbytes for op, _ in b) for b in batches], threads)
-        for f in [pool.submit(_run_read_group, files, g) for g in groups]:
+class ReadSession:
+    """Runs a load's read ops in two steps, so that ranks can agree on errors in between:
+    :meth:`verify` checks headers and every block that will land in caller-owned memory;
+    :meth:`read` lands all bytes (verifying loader-owned memory after it lands)."""
+
+    def __init__(self, root: Path, manifest: Manifest, ops: list[ReadOp], *, verify: bool, block: int,
+                 threads: int = 2) -> None:
+        self.files = OpenFiles(root, manifest)
+        self.ops = ops
+        self.verify_enabled = verify
+        self.block = block
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads)
+        self.post_verify = [
+            op for op in ops if verify and op.fill.fresh and op.whole_chunk and op.dest_range is not None
+        ]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.files.close()
+
+    def __enter__(self) -> ReadSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def verify(self) -> None:
+        """Check file sizes, headers and the checksum of every block read in place."""
+        for i in sorted({op.chunk.file for op in self.ops}):
+            self.files.fd(i)  # size checks first
+        if not self.verify_enabled:
+            return
+        verify_headers(self.files, {op.chunk.file for op in self.ops})
+        post_ids = {id(op) for op in self.post_verify}
+        pre: dict[tuple[int, int], tuple[str, Chunk, set[int]]] = {}
+        for op in self.ops:
+            if id(op) in post_ids:
+                continue
+            entry = pre.setdefault((op.chunk.file, op.chunk.start), (op.fill.key, op.chunk, set()))
+            entry[2].update(needed_blocks(op, self.block))
+        jobs = [(key, chunk, sorted(bl)) for key, chunk, bl in pre.values()]
+        groups = _split(jobs, [len(j[2]) * self.block for j in jobs], self.threads)
+        for f in [self.pool.submit(_run_hash_group, self.files, g, self.block) for g in groups]:
             f.result()
-        if post_verify:
-            landed = {id(op): t for op, t, _ in targets}
-            jobs2 = [(op, landed[id(op)]) for op in post_verify]
-            groups = _split(jobs2, [op.nbytes for op, _ in jobs2], threads)
-            for f in [pool.submit(_run_post_verify, files, g, block) for g in groups]:
+
+    def read(self) -> int:
+        """Land every op's bytes in its destination; returns bytes read from data files."""
+        direct = [(op, _direct_target(op)) for op in self.ops if op.dest_range is not None]
+        staged = [op for op in self.ops if op.dest_range is None]
+        batches = _batches(direct)
+        groups = _split(batches, [sum(op.nbytes for op, _ in b) for b in batches], self.threads)
+        futures = [self.pool.submit(_run_read_group, self.files, g) for g in groups]
+        if staged:
+            self._read_staged(staged)
+        for f in futures:
+            f.result()
+        if self.post_verify:
+            landed = {id(op): t for op, t in direct}
+            jobs = [(op, landed[id(op)]) for op in self.post_verify if id(op) in landed]
+            groups = _split(jobs, [op.nbytes for op, _ in jobs], self.threads)
+            for f in [self.pool.submit(_run_post_verify, self.files, g, self.block) for g in groups]:
                 f.result()
-        for op, _, stage in targets:
-            if stage is not None:
-                rel = op.box.relative_to(op.fill.box)
-                op.fill.tensor[rel.slices()].copy_(stage)
-        return sum(op.nbytes for op in ops)
+        return sum(op.nbytes for op in self.ops)
+
+    def _read_staged(self, ops: list[ReadOp]) -> None:
+        """Ops whose bytes are scattered in the destination: through one reused buffer."""
+        size = max(op.nbytes for op in ops)
+        buffer = torch.empty(size, dtype=torch.uint8)
+        raw = byte_view(buffer)
+        for op in ops:
+            n = op.nbytes
+            _read_runs(self.files, op, raw[:n])
+            dtype = op.fill.tensor.dtype
+            piece = buffer[:n].view(dtype).view(op.box.lengths) if n else torch.empty(op.box.lengths, dtype=dtype)
+            rel = op.box.relative_to(op.fill.box)
+            op.fill.tensor[rel.slices()].copy_(piece)
 
 
 def _run_hash_group(files: OpenFiles, jobs: list, block: int) -> None:
@@ -264,4 +300,4 @@ def _run_post_verify(files: OpenFiles, jobs: list, block: int) -> None:
         _hash_landed(files, op, target, block)
 
 
-__all__ = ["execute_reads", "OpenFiles"]
+__all__ = ["ReadSession", "OpenFiles"]

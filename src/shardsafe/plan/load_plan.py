@@ -1,4 +1,10 @@
-"""Load planning: for every destination box, the byte runs it needs from saved chunks."""
+"""Load planning: for every destination box, the byte runs it needs from saved chunks.
+
+Each op reads exactly the bytes of one (destination box ∩ saved chunk) intersection.
+When that intersection is one contiguous run of the destination's memory the bytes land
+there directly; otherwise they go through a staging buffer of at most ``max_buffer``
+bytes (ops larger than that are cut into slabs), never through a full tensor.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +16,22 @@ from ..format.manifest import Chunk, Manifest
 from ..layout import Box, byte_runs, intersect
 from ..state.match import Fill
 
+DEFAULT_MAX_BUFFER = 64 << 20
+
 
 @dataclass
 class ReadOp:
     """Read part ``box`` (global coordinates) of ``fill`` from ``chunk``.
 
     ``runs`` are absolute (offset, length) byte ranges in the chunk's file whose
-    concatenation is ``box`` in row-major order."""
+    concatenation is ``box`` in row-major order. ``dest_range`` is the byte range of the
+    destination's memory they fill directly, or None when they must be staged."""
 
     fill: Fill
     chunk: Chunk
     box: Box
     runs: list[tuple[int, int]]
+    dest_range: tuple[int, int] | None
 
     @property
     def nbytes(self) -> int:
@@ -31,15 +41,39 @@ class ReadOp:
     def whole_chunk(self) -> bool:
         return self.box == Box(self.chunk.offsets, self.chunk.lengths)
 
-    @property
-    def direct(self) -> bool:
-        """The runs can land straight in the destination's memory."""
-        t = self.fill.tensor
-        return self.box == self.fill.box and t.device.type == "cpu" and t.is_contiguous()
+
+def _dest_range(fill: Fill, box: Box, size: int) -> tuple[int, int] | None:
+    t = fill.tensor
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    runs = list(byte_runs(box, fill.box, size))
+    if len(runs) != 1:
+        return None
+    start, n = runs[0]
+    return start, start + n
 
 
-def plan_reads(manifest: Manifest, fills: list[Fill]) -> list[ReadOp]:
-    """Read ops covering every fill; raises if the saved chunks leave a hole."""
+def slabs(box: Box, size: int, max_bytes: int) -> list[Box]:
+    """Cut ``box`` into consecutive slabs of at most ``max_bytes`` (one element at the least)."""
+    if box.numel * size <= max_bytes or box.is_empty():
+        return [box]
+    for d, n in enumerate(box.lengths):
+        if n > 1:
+            inner = box.numel // n * size
+            step = max(1, max_bytes // inner)
+            out: list[Box] = []
+            for s in range(0, n, step):
+                o = list(box.offsets)
+                ln = list(box.lengths)
+                o[d] += s
+                ln[d] = min(step, n - s)
+                out.extend(slabs(Box(tuple(o), tuple(ln)), size, max_bytes))
+            return out
+    return [box]
+
+
+def plan_reads(manifest: Manifest, fills: list[Fill], max_buffer: int = DEFAULT_MAX_BUFFER) -> list[ReadOp]:
+    """Read ops covering every fill exactly; raises if the saved chunks leave a hole."""
     ops: list[ReadOp] = []
     for fill in fills:
         entry = manifest.tensors[fill.key]
@@ -48,17 +82,19 @@ def plan_reads(manifest: Manifest, fills: list[Fill]) -> list[ReadOp]:
             raise CorruptCheckpointError(f"tensor '{fill.key}': unknown dtype {entry.dtype!r}")
         size = itemsize(dtype)
         covered = 0
-        for chunk in entry.chunks:
-            cbox = Box(tuple(chunk.offsets), tuple(chunk.lengths))
-            if fill.box.is_empty():
-                break
-            part = intersect(fill.box, cbox)
-            if part is None:
-                continue
-            base = chunk.start
-            runs = [(base + s, n) for s, n in byte_runs(part, cbox, size)]
-            ops.append(ReadOp(fill, chunk, part, runs))
-            covered += part.numel
+        if not fill.box.is_empty():
+            for chunk in entry.chunks:
+                cbox = Box(tuple(chunk.offsets), tuple(chunk.lengths))
+                part = intersect(fill.box, cbox)
+                if part is None:
+                    continue
+                covered += part.numel
+                direct = _dest_range(fill, part, size)
+                pieces = [part] if direct is not None else slabs(part, size, max_buffer)
+                for piece in pieces:
+                    runs = [(chunk.start + s, n) for s, n in byte_runs(piece, cbox, size)]
+                    dest = direct if direct is not None else None
+                    ops.append(ReadOp(fill, chunk, piece, runs, dest))
         if covered != fill.box.numel:
             raise MissingKeysError(
                 f"tensor '{fill.key}': saved chunks cover {covered} of the {fill.box.numel} elements needed"

@@ -1,12 +1,70 @@
-"""Save planning: which chunks go into which data file, written by which rank."""
+"""Save planning: which chunks go into which data file, written by which rank.
+
+Planning is a pure function of the per-rank layouts that every rank gathered, so every
+rank computes the same plan without further messages. Rules:
+
+- every distinct box of every tensor is written exactly once;
+- a box held by several ranks (replicated tensors, DTensor replicas) goes to the holder
+  with the least bytes so far, largest boxes first (ties: lowest rank);
+- a replicated tensor larger than 1/8 of the mean bytes per rank is first split into row
+  ranges, so that no rank carries much more than its share;
+- a rank with nothing to write writes no file.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
+from math import ceil
 
 import torch
 
-from ..layout import Box
+from ..errors import CheckpointError
+from ..layout import Box, split_rows
+
+SPLIT_FRACTION = 8  # replicated tensors above mean/SPLIT_FRACTION bytes are split into rows
+MIN_SPLIT_BYTES = 1 << 20
+
+
+@dataclass
+class TensorLayout:
+    """What one rank holds of one tensor."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    itemsize: int
+    kind: str  # replicated | sharded | rank_local
+    boxes: list[Box]
+
+    def to_wire(self) -> tuple:
+        return (self.key, self.dtype, self.shape, self.itemsize, self.kind,
+                [(b.offsets, b.lengths) for b in self.boxes])
+
+    @staticmethod
+    def from_wire(w: tuple) -> TensorLayout:
+        key, dtype, shape, itemsize, kind, boxes = w
+        return TensorLayout(key, dtype, tuple(shape), itemsize, kind, [Box(tuple(o), tuple(n)) for o, n in boxes])
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Rank ``rank`` writes ``box`` of tensor ``key``."""
+
+    key: str
+    box: Box
+    whole: bool
+
+
+@dataclass
+class GlobalPlan:
+    """Per-rank assignments and the tensor table for the manifest."""
+
+    world: int
+    tensors: dict[str, tuple[str, tuple[int, ...], str]]  # key -> (dtype, shape, kind)
+    by_rank: list[list[Assignment]] = field(default_factory=list)
+    bytes_by_rank: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -15,7 +73,7 @@ class WriteItem:
 
     key: str
     box: Box
-    whole: bool  # the box is the whole tensor
+    whole: bool
     source: torch.Tensor  # local tensor whose elements are exactly the box, any strides
 
 
@@ -33,7 +91,71 @@ def data_file_name(rank: int, index: int = 0) -> str:
     return f"data-r{rank:05d}-{index:02d}.safetensors"
 
 
-def plan_local(tensors: dict[str, torch.Tensor], rank: int = 0) -> list[FilePlan]:
-    """Plan for one process writing whole tensors into one data file (no empty files)."""
-    items = [WriteItem(k, Box.whole(t.shape), True, t) for k, t in tensors.items()]
-    return [FilePlan(data_file_name(rank), rank, items)] if items else []
+def layout_digest(layouts: list[list[tuple]]) -> str:
+    """A digest of all ranks' layouts: equal digests give equal plans (plan cache key)."""
+    return hashlib.sha256(json.dumps(layouts, default=list).encode()).hexdigest()
+
+
+def plan_global(layouts: list[list[TensorLayout]]) -> GlobalPlan:
+    """The deterministic global write plan for the gathered per-rank layouts.
+
+    Raises CheckpointError naming the key and ranks when ranks disagree on a tensor's
+    dtype or shape, or when the boxes of a sharded tensor do not cover it."""
+    world = len(layouts)
+    tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
+    itemsizes: dict[str, int] = {}
+    holders: dict[tuple[str, Box], list[int]] = {}
+    first_rank: dict[str, int] = {}
+    for rank, tls in enumerate(layouts):
+        for tl in tls:
+            meta = (tl.dtype, tl.shape, tl.kind)
+            if tl.key in tensors:
+                if tensors[tl.key] != meta:
+                    raise CheckpointError(
+                        f"tensor '{tl.key}': rank {first_rank[tl.key]} has {_describe(tensors[tl.key])}, "
+                        f"rank {rank} has {_describe(meta)}"
+                    )
+            else:
+                tensors[tl.key] = meta
+                itemsizes[tl.key] = tl.itemsize
+                first_rank[tl.key] = rank
+            for box in tl.boxes:
+                holders.setdefault((tl.key, box), []).append(rank)
+
+    # Coverage: the distinct boxes of each tensor must add up to the whole tensor.
+    covered: dict[str, int] = {}
+    for key, box in holders:
+        covered[key] = covered.get(key, 0) + box.numel
+    for key, (_, shape, _) in tensors.items():
+        need = Box.whole(shape).numel
+        if covered.get(key, 0) != need and not (need == 0 and key in covered):
+            raise CheckpointError(
+                f"tensor '{key}': the ranks' shards cover {covered.get(key, 0)} of {need} elements "
+                "(overlapping or missing shards; Partial placements must be reduced before saving)"
+            )
+
+    total = sum(box.numel * itemsizes[key] for key, box in holders)
+    target = max(MIN_SPLIT_BYTES, total // max(world, 1) // SPLIT_FRACTION)
+    work: list[tuple[int, str, Box, bool, list[int]]] = []
+    for (key, box), ranks in holders.items():
+        nbytes = box.numel * itemsizes[key]
+        whole = box == Box.whole(tensors[key][1])
+        if whole and len(ranks) > 1 and nbytes > target and len(box.lengths) > 0:
+            for part in split_rows(box.lengths, ceil(nbytes / target)):
+                work.append((part.numel * itemsizes[key], key, part, part == box, ranks))
+        else:
+            work.append((nbytes, key, box, whole, ranks))
+    work.sort(key=lambda w: (-w[0], w[1], w[2].offsets))
+    load = [0] * world
+    by_rank: list[list[Assignment]] = [[] for _ in range(world)]
+    for nbytes, key, box, whole, ranks in work:
+        r = min(ranks, key=lambda x: (load[x], x))
+        load[r] += nbytes
+        by_rank[r].append(Assignment(key, box, whole))
+    for items in by_rank:
+        items.sort(key=lambda a: (a.key, a.box.offsets))
+    return GlobalPlan(world, tensors, by_rank, load)
+
+
+def _describe(meta: tuple[str, tuple[int, ...], str]) -> str:
+    return f"{meta[2]} {meta[0]} of shape {list(meta[1])}"

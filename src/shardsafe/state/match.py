@@ -33,7 +33,8 @@ from ..format.dtypes import torch_dtype
 from ..format.manifest import Manifest
 from ..format.values import decode
 from ..layout import Box
-from .tree import is_stateful, join_key, saved_items, saved_ref, saved_sequence
+from .sharding import dtensor_pieces, is_dtensor
+from .tree import RankLocal, is_stateful, join_key, saved_items, saved_ref, saved_sequence
 
 
 @dataclass
@@ -65,12 +66,16 @@ class MatchResult:
         raise type(first)(f"{len(self.errors)} problems:\n  " + "\n  ".join(lines) + more)
 
 
-# How a destination tensor is described: its local tensor and its box in the global shape.
-TensorView = Callable[[torch.Tensor], tuple[torch.Tensor, Box, tuple[int, ...]]]
+def tensor_view(t: torch.Tensor) -> tuple[list[tuple[torch.Tensor, Box]], tuple[int, ...], torch.dtype]:
+    """A destination tensor as (local views with their global boxes, global shape, dtype).
 
-
-def plain_view(t: torch.Tensor) -> tuple[torch.Tensor, Box, tuple[int, ...]]:
-    return t, Box.whole(t.shape), tuple(t.shape)
+    A plain tensor is one view of the whole; a DTensor gives the pieces its local tensor
+    holds on this rank (none when this rank holds nothing)."""
+    if is_dtensor(t):
+        local = t.to_local()
+        views = [(local[p.local_slices], p.box) for p in dtensor_pieces(t)]
+        return views, tuple(t.shape), local.dtype
+    return [(t, Box.whole(t.shape))], tuple(t.shape), t.dtype
 
 
 class Matcher:
@@ -81,13 +86,11 @@ class Matcher:
         manifest: Manifest,
         rank: int = 0,
         strict: bool = True,
-        view: TensorView = plain_view,
         rank_local_tree: Callable[[str], Any] | None = None,
     ) -> None:
         self.manifest = manifest
         self.rank = rank
         self.strict = strict
-        self.view = view
         self.rank_local_tree = rank_local_tree
         self.result = MatchResult()
 
@@ -133,6 +136,11 @@ class Matcher:
                 self.result.errors.append(exc)
                 return dest
             ref = saved_ref(saved)
+        if isinstance(dest, RankLocal):
+            new = self.match(dest.value, saved, parts)
+            if new is not dest.value:
+                self.result.assigns.append(_attr_setter(dest, new))
+            return dest
         if isinstance(dest, torch.Tensor):
             if ref is None or ref[0] != "$tensor":
                 self.result.errors.append(
@@ -200,7 +208,7 @@ class Matcher:
         if entry is None:
             self.result.errors.append(MissingKeysError(f"key '{path}': tensor '{key}' is not in the manifest"))
             return
-        local, box, global_shape = self.view(dest)
+        views, global_shape, dtype = tensor_view(dest)
         if tuple(entry.shape) != tuple(global_shape):
             self.result.errors.append(
                 ShapeMismatchError(
@@ -208,13 +216,21 @@ class Matcher:
                 )
             )
             return
-        expected = str(local.dtype).removeprefix("torch.")
+        expected = str(dtype).removeprefix("torch.")
         if entry.dtype != expected:
             self.result.errors.append(
                 DtypeMismatchError(f"key '{path}': saved dtype {entry.dtype}, destination dtype {expected}")
             )
             return
-        self.result.fills.append(Fill(key, local, box, fresh=False))
+        for local, box in views:
+            self.result.fills.append(Fill(key, local, box, fresh=False))
+
+
+def _attr_setter(holder: RankLocal, v: Any) -> Callable[[], None]:
+    def assign() -> None:
+        holder.value = v
+
+    return assign
 
 
 def _setter(container: Any, k: Any, v: Any) -> Callable[[], None]:

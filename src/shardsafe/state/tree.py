@@ -63,7 +63,8 @@ class FlatState:
 
     tree: Any
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    rank_local: dict[str, Any] = field(default_factory=dict)
+    rank_local: dict[str, Any] = field(default_factory=dict)  # key -> this rank's typed JSON
+    rank_local_tensors: set[str] = field(default_factory=set)  # tensor keys inside rank-local values
 
 
 def rank_local_key(key: str, rank: int) -> str:
@@ -88,26 +89,30 @@ def flatten(state: Any, rank: int = 0) -> FlatState:
         seen[key] = key
         return key
 
-    def walk(obj: Any, parts: list[str]) -> Any:
+    def walk(obj: Any, parts: list[str], local: bool = False) -> Any:
         if isinstance(obj, torch.Tensor):
             key = claim(parts)
             flat.tensors[key] = obj
+            if local:
+                flat.rank_local_tensors.add(key)
             return {"$tensor": key}
         if isinstance(obj, RankLocal):
             key = claim(parts)
-            flat.rank_local[key] = walk(obj.value, [rank_local_key(key, rank)])
+            flat.rank_local[key] = walk(obj.value, [rank_local_key(key, rank)], True)
             return {"$rank_local": key}
         if is_stateful(obj):
-            return walk(obj.state_dict(), parts)
+            return walk(obj.state_dict(), parts, local)
         if isinstance(obj, dict):
             path = join_key(parts)
             if _plain_keys(obj):
-                return {k: walk(v, parts + [k]) for k, v in obj.items()}
-            return {"$dict": [[encode_dict_key(k, path), walk(v, parts + [str(k)])] for k, v in obj.items()]}
+                return {k: walk(v, parts + [k], local) for k, v in obj.items()}
+            return {
+                "$dict": [[encode_dict_key(k, path), walk(v, parts + [str(k)], local)] for k, v in obj.items()]
+            }
         if type(obj) is list:
-            return [walk(v, parts + [str(i)]) for i, v in enumerate(obj)]
+            return [walk(v, parts + [str(i)], local) for i, v in enumerate(obj)]
         if type(obj) is tuple:
-            return {"$tuple": [walk(v, parts + [str(i)]) for i, v in enumerate(obj)]}
+            return {"$tuple": [walk(v, parts + [str(i)], local) for i, v in enumerate(obj)]}
         if isinstance(obj, (list, tuple)):
             raise UnsupportedValueError(
                 f"cannot save value at '{join_key(parts)}': type {type(obj).__qualname__} "

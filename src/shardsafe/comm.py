@@ -1,0 +1,96 @@
+"""The few collectives a save or load needs, and agreement on errors across ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from . import errors as _errors
+from .errors import CheckpointError
+
+
+@dataclass
+class Comm:
+    """A process group (or none: one process) with this rank's place in it."""
+
+    group: Any
+    rank: int
+    world: int
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None and self.world > 1
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def agree(self, error: BaseException | None) -> None:
+        """Raise the same CheckpointError on every rank when any rank had an error."""
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return
+        mine = None if error is None else describe(error, self.rank)
+        found = [e for e in self.all_gather(mine) if e is not None]
+        if found:
+            raise rebuild(found[0]) from error
+
+    def all_ok(self, ok: bool) -> bool:
+        """True on every rank when ``ok`` is true on every rank (one small all-reduce)."""
+        if not self.distributed:
+            return ok
+        import torch
+
+        device = "cpu"
+        if dist.get_backend(self.group) == "nccl":
+            device = f"cuda:{torch.cuda.current_device()}"
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+
+def describe(error: BaseException, rank: int) -> tuple[str, str]:
+    """A picklable (class name, message) naming the rank where it happened."""
+    name = type(error).__name__ if isinstance(error, CheckpointError) else "CheckpointError"
+    text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+    return name, f"rank {rank}: {text}"
+
+
+def rebuild(desc: tuple[str, str]) -> CheckpointError:
+    name, message = desc
+    cls = getattr(_errors, name, CheckpointError)
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+        cls = CheckpointError
+    return cls(message)
+
+
+def resolve(process_group: Any = None) -> Comm:
+    """The group to use: the given one, else the world group when initialized, else none."""
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return Comm(None, 0, 1)
+        process_group = dist.group.WORLD
+    return Comm(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))

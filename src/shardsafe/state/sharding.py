@@ -1,0 +1,110 @@
+"""DTensor geometry: which boxes of the global tensor this rank's local tensor holds.
+
+A local shard is the product, over tensor dims, of the global indices it holds on each
+dim. ``Shard(d)`` gives one contiguous range per dim; ``_StridedShard`` (FSDP2 over
+tensor parallel on the same dim) gives several, so a local tensor may cover several
+boxes. Indices come from the placements' own ``_split_tensor`` so uneven and strided
+shards follow torch's rules exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..layout import Box
+
+try:  # torch.distributed may be missing in minimal builds
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+    Replicate = Shard = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a local tensor: ``local[local_slices]`` holds global ``box``."""
+
+    local_slices: tuple[slice, ...]
+    box: Box
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """Sorted-by-position maximal runs (local_start, global_start, length) of consecutive indices."""
+    out: list[tuple[int, int, int]] = []
+    for pos, g in enumerate(indices):
+        if out and out[-1][1] + out[-1][2] == g and out[-1][0] + out[-1][2] == pos:
+            ls, gs, n = out[-1]
+            out[-1] = (ls, gs, n + 1)
+        else:
+            out.append((pos, g, 1))
+    return out
+
+
+def _is_shard_like(p: Any) -> bool:
+    return hasattr(p, "dim") and hasattr(p, "_split_tensor") and not isinstance(p, Replicate)
+
+
+def dim_indices(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: list[int],
+                placements: tuple[Any, ...]) -> list[list[int]]:
+    """Global indices held on each tensor dim by the mesh coordinate ``coord``."""
+    idx: list[list[int] | None] = [None] * len(global_shape)
+    for mesh_dim, p in enumerate(placements):
+        if not _is_shard_like(p):
+            if not isinstance(p, Replicate):
+                raise TypeError(f"placement {p} (Partial?) cannot be checkpointed; redistribute first")
+            continue
+        d = p.dim if p.dim >= 0 else p.dim + len(global_shape)
+        current = idx[d] if idx[d] is not None else list(range(global_shape[d]))
+        shape = [1] * d + [len(current)]
+        positions = torch.arange(len(current)).view(shape)
+        shards, _ = p._split_tensor(positions, mesh_shape[mesh_dim], with_padding=False, contiguous=False)
+        mine = shards[coord[mesh_dim]].reshape(-1).tolist() if coord[mesh_dim] < len(shards) else []
+        idx[d] = [current[i] for i in mine]
+    return [list(range(n)) if i is None else i for n, i in zip(global_shape, idx)]
+
+
+def pieces_for(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: list[int],
+               placements: tuple[Any, ...]) -> list[Piece]:
+    """The boxes a mesh coordinate holds, each with where it sits in the local tensor."""
+    per_dim = [_runs(ix) for ix in dim_indices(global_shape, mesh_shape, coord, placements)]
+    if any(len(r) == 0 for r in per_dim):
+        return []  # an empty local shard holds nothing
+    pieces: list[Piece] = [Piece((), Box((), ()))]
+    for runs in per_dim:
+        pieces = [
+            Piece(p.local_slices + (slice(ls, ls + n),), Box(p.box.offsets + (gs,), p.box.lengths + (n,)))
+            for p in pieces
+            for ls, gs, n in runs
+        ]
+    return pieces
+
+
+def dtensor_pieces(t: Any) -> list[Piece]:
+    """The pieces of this rank's local tensor of DTensor ``t``."""
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return []
+    return pieces_for(tuple(t.shape), tuple(mesh.shape), list(coord), tuple(t.placements))
+
+
+def replica_group(t: Any) -> tuple[int, ...]:
+    """Mesh dims over which ``t`` is replicated: ranks differing only there hold the same pieces."""
+    return tuple(i for i, p in enumerate(t.placements) if isinstance(p, Replicate))
+
+
+def layout_of(t: Any) -> dict[str, Any]:
+    """A JSON description of a DTensor's saving layout, for the manifest."""
+    mesh = t.device_mesh
+    return {
+        "mesh_shape": list(mesh.shape),
+        "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        "placements": [str(p) for p in t.placements],
+    }

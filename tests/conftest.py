@@ -1,0 +1,35 @@
+"""Shared fixtures: process-group pools reused across the distributed tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import WorkerPool
+
+
+class Pools:
+    def __init__(self) -> None:
+        self._pools: dict[int, WorkerPool] = {}
+
+    def __call__(self, world: int) -> WorkerPool:
+        pool = self._pools.get(world)
+        if pool is None or not pool.alive:
+            # Keep at most two pools alive to bound memory on small machines.
+            for w in list(self._pools):
+                if len(self._pools) >= 2 and w != world:
+                    self._pools.pop(w).close()
+            pool = self._pools[world] = WorkerPool(world)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+@pytest.fixture(scope="session")
+def pg_pool():
+    """``pg_pool(world)`` -> a WorkerPool of ``world`` gloo ranks, started once per session."""
+    pools = Pools()
+    yield pools
+    pools.close()
