@@ -111,7 +111,9 @@ def full_reference(state: dict) -> dict:
 def assert_bitwise(a, b, path: str = "") -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b)}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        )
         assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), (
             f"{path}: values differ"
         )

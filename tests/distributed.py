@@ -82,7 +82,7 @@ class WorkerPool:
                 rank, cid, ok, value = self._results.get(timeout=timeout)
             except queue.Empty:
                 self.close(force=True)
-                raise AssertionError(f"case {ref} timed out after {timeout}s ({got}/{self.world} ranks done)")
+                raise AssertionError(f"case {ref} timed out after {timeout}s ({got}/{self.world} ranks done)") from None
             if cid != case_id:
                 continue
             got += 1
