@@ -121,12 +121,20 @@ def _source_for(sources: dict[tuple[str, Box], torch.Tensor], key: str, box: Box
     raise CheckpointError(f"tensor '{key}': this rank was asked to write {box} but does not hold it")
 
 
-def _plan(layouts_wire: list[list[tuple]]) -> tuple[GlobalPlan, bool]:
-    digest = layout_digest(layouts_wire)
+def _plan(layouts_wire: list[list[tuple] | None], signatures: list[str]) -> tuple[GlobalPlan, bool]:
+    """The global plan (cached by the ranks' layout signatures). Ranks whose layout equals
+    an earlier rank's send None instead of their layout."""
+    digest = layout_digest([signatures])
     cached = _PLAN_CACHE.get(digest)
     if cached is not None:
         return cached, True
-    plan = plan_global([[TensorLayout.from_wire(w) for w in ws] for ws in layouts_wire])
+    first: dict[str, list[TensorLayout]] = {}
+    layouts: list[list[TensorLayout]] = []
+    for sig, ws in zip(signatures, layouts_wire):
+        if ws is not None and sig not in first:
+            first[sig] = [TensorLayout.from_wire(w) for w in ws]
+        layouts.append(first[sig])
+    plan = plan_global(layouts, signatures)
     if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
         _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
     _PLAN_CACHE[digest] = plan
@@ -151,6 +159,7 @@ def save(
     # Step 1: describe, gather, plan.
     error: BaseException | None = None
     wire: list[tuple] = []
+    signature = ""
     tree_digest = ""
     tmp_name = ""
     flat = FlatState(tree=None)
@@ -160,6 +169,7 @@ def save(
         flat = flatten(state_dict, comm.rank)
         layouts, sources, dlayouts = _local_layout(flat)
         wire = [tl.to_wire() for tl in layouts]
+        signature = checksum(repr(wire).encode())
         tree_digest = checksum(repr(flat.tree).encode())
         if comm.rank == 0:
             local.check_target(path, overwrite)
@@ -169,7 +179,9 @@ def save(
             tmp_name = str(local.temp_sibling(path))
     except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
         error = exc
-    gathered = comm.all_gather((None if error is None else describe(error, comm.rank), wire, tree_digest, tmp_name))
+    gathered = comm.all_gather(
+        (None if error is None else describe(error, comm.rank), wire, tree_digest, tmp_name, signature)
+    )
     failures = [g[0] for g in gathered if g[0] is not None]
     tmp = Path(gathered[0][3]) if gathered[0][3] else None
     if failures:
@@ -186,7 +198,7 @@ def save(
     plan_cached = False
     my_tree = None
     try:
-        plan, plan_cached = _plan([g[1] for g in gathered])
+        plan, plan_cached = _plan([g[1] for g in gathered], [g[4] for g in gathered])
         items = [WriteItem(a.key, a.box, a.whole, _source_for(sources, a.key, a.box)) for a in plan.by_rank[comm.rank]]
         if items:
             with ThreadPoolExecutor(1) as pool:

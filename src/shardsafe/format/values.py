@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -26,28 +27,67 @@ from ..errors import CorruptCheckpointError, UnsupportedValueError
 
 _SAFE_INT = 1 << 53
 TAGS = ("$int", "$float", "$bytes", "$tuple", "$dict", "$tensor", "$rank_local")
+# Python refuses int <-> decimal str conversions of more than 4300 digits by default
+# (sys.set_int_max_str_digits, at least 640); big ints are converted in pieces below that.
+_DIGITS = 512
+_DIGITS_BASE = 10**_DIGITS
+_DECIMAL = re.compile(r"-?[0-9]+", re.ASCII)
+
+
+def _int_to_decimal(value: int) -> str:
+    """``str(value)`` for ints of any size."""
+    if -_DIGITS_BASE < value < _DIGITS_BASE:
+        return str(value)
+    sign, value = ("-", -value) if value < 0 else ("", value)
+    pieces = []
+    while value:
+        value, low = divmod(value, _DIGITS_BASE)
+        pieces.append(low)
+    head = str(pieces.pop())
+    return sign + head + "".join(str(p).zfill(_DIGITS) for p in reversed(pieces))
+
+
+def _decimal_to_int(text: Any) -> int:
+    """The int written by :func:`_int_to_decimal` (strictly ``-?[0-9]+``, any length)."""
+    if not isinstance(text, str) or not _DECIMAL.fullmatch(text):
+        raise ValueError("not a decimal integer string")
+    digits = text.lstrip("-")
+    value = 0
+    for i in range(0, len(digits), _DIGITS):
+        piece = digits[i: i + _DIGITS]
+        value = value * 10 ** len(piece) + int(piece)
+    return -value if text.startswith("-") else value
+
+
+def _subclass_error(value: Any, path: str, base: str) -> UnsupportedValueError:
+    return UnsupportedValueError(
+        f"cannot save value at '{path}': type {type(value).__qualname__} (a subclass of {base}) "
+        f"would come back as a plain {base}"
+    )
 
 
 def encode_scalar(value: Any, path: str) -> Any:
     """Encode a non-container leaf; raises UnsupportedValueError naming ``path``."""
-    if value is None or isinstance(value, (bool, str)):
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if type(value) is not str:  # StrEnum and friends would not come back as themselves
+            raise _subclass_error(value, path, "str")
         return value
     if isinstance(value, int):
         if type(value) is not int:  # IntEnum and friends would not come back as themselves
-            raise UnsupportedValueError(
-                f"cannot save value at '{path}': type {type(value).__qualname__} (a subclass of int)"
-            )
-        return value if -_SAFE_INT < value < _SAFE_INT else {"$int": str(value)}
+            raise _subclass_error(value, path, "int")
+        return value if -_SAFE_INT < value < _SAFE_INT else {"$int": _int_to_decimal(value)}
     if isinstance(value, float):
         if type(value) is not float:
-            raise UnsupportedValueError(
-                f"cannot save value at '{path}': type {type(value).__qualname__} (a subclass of float)"
-            )
+            raise _subclass_error(value, path, "float")
         if math.isfinite(value):
             return value
         return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(value, (bytes, bytearray)):
-        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+        if type(value) is not bytes:  # bytearray (mutable) and subclasses come back as bytes
+            raise _subclass_error(value, path, "bytes")
+        return {"$bytes": base64.b64encode(value).decode("ascii")}
     raise UnsupportedValueError(
         f"cannot save value at '{path}': type {type(value).__module__}.{type(value).__qualname__} "
         "is not a tensor, a Stateful, None, bool, int, float, str, bytes, list, tuple or dict"
@@ -87,17 +127,31 @@ def decode(obj: Any, on_ref: Callable[[str, str], Any] | None = None) -> Any:
 def _decode_tagged(tag: str, payload: Any, on_ref: Callable[[str, str], Any] | None) -> Any:
     try:
         if tag == "$int":
-            return int(payload)
+            return _decimal_to_int(payload)
         if tag == "$float":
             if payload not in ("nan", "inf", "-inf"):
                 raise ValueError(payload)
             return float(payload)
         if tag == "$bytes":
+            if not isinstance(payload, str):
+                raise TypeError("payload is not a string")
             return base64.b64decode(payload.encode("ascii"), validate=True)
         if tag == "$tuple":
+            if not isinstance(payload, list):
+                raise TypeError("payload is not a list")
             return tuple(decode(v, on_ref) for v in payload)
         if tag == "$dict":
-            return {decode(k): decode(v, on_ref) for k, v in payload}
+            if not isinstance(payload, list):
+                raise TypeError("payload is not a list")
+            out = {}
+            for pair in payload:
+                if not (isinstance(pair, list) and len(pair) == 2):
+                    raise ValueError(f"entry {pair!r} is not a [key, value] pair")
+                key = _decode_dict_key(pair[0])
+                if key in out:
+                    raise ValueError(f"duplicate key {key!r}")
+                out[key] = decode(pair[1], on_ref)
+            return out
     except (ValueError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"manifest: bad {tag} value {payload!r}: {exc}") from None
     if tag in ("$tensor", "$rank_local"):
@@ -105,3 +159,12 @@ def _decode_tagged(tag: str, payload: Any, on_ref: Callable[[str, str], Any] | N
             raise CorruptCheckpointError(f"manifest: unexpected {tag} reference {payload!r}")
         return on_ref(tag, payload)
     raise CorruptCheckpointError(f"manifest: unknown tag {tag!r}")
+
+
+def _decode_dict_key(key: Any) -> str | int:
+    """A ``$dict`` key: a string, a JSON integer or an ``{"$int": ...}`` (what encode_dict_key writes)."""
+    if isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool)):
+        return key
+    if isinstance(key, dict) and len(key) == 1 and "$int" in key:
+        return _decimal_to_int(key["$int"])
+    raise TypeError(f"dict key {key!r} is not a str or int")

@@ -14,9 +14,10 @@ rank computes the same plan without further messages. Rules:
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 from dataclasses import dataclass, field
-from math import ceil
+from math import ceil, prod
 
 import torch
 
@@ -37,6 +38,9 @@ class TensorLayout:
     itemsize: int
     kind: str  # replicated | sharded | rank_local
     boxes: list[Box]
+
+    def to_wire_key(self) -> tuple:
+        return (self.key, self.dtype, self.shape, self.kind, tuple((b.offsets, b.lengths) for b in self.boxes))
 
     def to_wire(self) -> tuple:
         return (self.key, self.dtype, self.shape, self.itemsize, self.kind,
@@ -96,38 +100,53 @@ def layout_digest(layouts: list[list[tuple]]) -> str:
     return hashlib.sha256(json.dumps(layouts, default=list).encode()).hexdigest()
 
 
-def plan_global(layouts: list[list[TensorLayout]]) -> GlobalPlan:
+def plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None = None) -> GlobalPlan:
     """The deterministic global write plan for the gathered per-rank layouts.
 
-    Raises CheckpointError naming the key and ranks when ranks disagree on a tensor's
-    dtype or shape, or when the boxes of a sharded tensor do not cover it."""
+    Ranks with identical layouts (the usual SPMD case for replicated state) are planned
+    as one group, so planning grows with the number of distinct layouts times tensors,
+    not ranks times tensors. Raises CheckpointError naming the key and ranks when ranks
+    disagree on a tensor's dtype or shape, or when the boxes of a sharded tensor do not
+    cover it."""
     world = len(layouts)
+    groups: dict[int, list[int]] = {}
+    first_of: dict[tuple, int] = {}
+    for rank, tls in enumerate(layouts):
+        sig = signatures[rank] if signatures is not None else tuple(tl.to_wire_key() for tl in tls)
+        leader = first_of.setdefault(sig, rank)
+        groups.setdefault(leader, []).append(rank)
     tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
     itemsizes: dict[str, int] = {}
     holders: dict[tuple[str, Box], list[int]] = {}
     first_rank: dict[str, int] = {}
-    for rank, tls in enumerate(layouts):
-        for tl in tls:
+    for leader, ranks in groups.items():
+        for tl in layouts[leader]:
             meta = (tl.dtype, tl.shape, tl.kind)
-            if tl.key in tensors:
-                if tensors[tl.key] != meta:
-                    raise CheckpointError(
-                        f"tensor '{tl.key}': rank {first_rank[tl.key]} has {_describe(tensors[tl.key])}, "
-                        f"rank {rank} has {_describe(meta)}"
-                    )
-            else:
+            known = tensors.get(tl.key)
+            if known is None:
                 tensors[tl.key] = meta
                 itemsizes[tl.key] = tl.itemsize
-                first_rank[tl.key] = rank
+                first_rank[tl.key] = leader
+            elif known != meta:
+                raise CheckpointError(
+                    f"tensor '{tl.key}': rank {first_rank[tl.key]} has {_describe(known)}, "
+                    f"rank {leader} has {_describe(meta)}"
+                )
             for box in tl.boxes:
-                holders.setdefault((tl.key, box), []).append(rank)
+                h = holders.get((tl.key, box))
+                if h is None:
+                    holders[(tl.key, box)] = ranks if len(ranks) > 1 else [leader]
+                else:
+                    if h is ranks:
+                        continue
+                    holders[(tl.key, box)] = sorted(set(h) | set(ranks))
 
     # Coverage: the distinct boxes of each tensor must add up to the whole tensor.
     covered: dict[str, int] = {}
     for key, box in holders:
         covered[key] = covered.get(key, 0) + box.numel
     for key, (_, shape, _) in tensors.items():
-        need = Box.whole(shape).numel
+        need = prod(shape)
         if covered.get(key, 0) != need and not (need == 0 and key in covered):
             raise CheckpointError(
                 f"tensor '{key}': the ranks' shards cover {covered.get(key, 0)} of {need} elements "
@@ -139,7 +158,7 @@ def plan_global(layouts: list[list[TensorLayout]]) -> GlobalPlan:
     work: list[tuple[int, str, Box, bool, list[int]]] = []
     for (key, box), ranks in holders.items():
         nbytes = box.numel * itemsizes[key]
-        whole = box == Box.whole(tensors[key][1])
+        whole = box.offsets == (0,) * len(box.offsets) and box.lengths == tensors[key][1]
         if whole and len(ranks) > 1 and nbytes > target and len(box.lengths) > 0:
             for part in split_rows(box.lengths, ceil(nbytes / target)):
                 work.append((part.numel * itemsizes[key], key, part, part == box, ranks))
@@ -148,9 +167,17 @@ def plan_global(layouts: list[list[TensorLayout]]) -> GlobalPlan:
     work.sort(key=lambda w: (-w[0], w[1], w[2].offsets))
     load = [0] * world
     by_rank: list[list[Assignment]] = [[] for _ in range(world)]
+    heap = [(0, r) for r in range(world)]  # (load, rank); entries go stale when a rank's load changes
     for nbytes, key, box, whole, ranks in work:
-        r = min(ranks, key=lambda x: (load[x], x))
+        if len(ranks) == world:
+            while True:
+                lo, r = heapq.heappop(heap)
+                if lo == load[r]:
+                    break
+        else:
+            r = min(ranks, key=lambda x: (load[x], x))
         load[r] += nbytes
+        heapq.heappush(heap, (load[r], r))
         by_rank[r].append(Assignment(key, box, whole))
     for items in by_rank:
         items.sort(key=lambda a: (a.key, a.box.offsets))
