@@ -16,6 +16,7 @@ from .errors import (  # noqa: E402
     UnexpectedKeysError,
     UnsupportedValueError,
 )
+from .state.train_state import TrainState  # noqa: E402
 from .state.tree import Stateful, rank_local  # noqa: E402
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "LoadInfo",
     "Stateful",
     "rank_local",
+    "TrainState",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",

@@ -119,7 +119,7 @@ class Matcher:
     def _rank_local(self, key: str) -> Any:
         if self.rank_local_tree is None:
             per_rank = self.manifest.rank_local.get(key)
-            if not per_rank or self.rank >= len(per_rank):
+            if not per_rank or self.rank >= len(per_rank) or per_rank[self.rank] is None:
                 raise MissingKeysError(f"rank-local value '{key}' has no entry for rank {self.rank}")
             return per_rank[self.rank]
         return self.rank_local_tree(key)
@@ -133,7 +133,8 @@ class Matcher:
             try:
                 saved = self._rank_local(ref[1])
             except CheckpointError as exc:
-                self.result.errors.append(exc)
+                if not (isinstance(dest, RankLocal) and dest.missing == "keep"):
+                    self.result.errors.append(exc)
                 return dest
             ref = saved_ref(saved)
         if isinstance(dest, RankLocal):

@@ -35,18 +35,25 @@ def is_stateful(obj: Any) -> bool:
 class RankLocal:
     """Marks a value that differs per rank on purpose; see :func:`shardsafe.rank_local`."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "missing")
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, missing: str = "error") -> None:
+        if missing not in ("error", "keep"):
+            raise ValueError(f"missing must be 'error' or 'keep', not {missing!r}")
         self.value = value
+        self.missing = missing
 
     def __repr__(self) -> str:
         return f"rank_local({self.value!r})"
 
 
-def rank_local(value: Any) -> RankLocal:
-    """Mark ``value`` as rank-local: every rank stores its own copy and gets it back."""
-    return RankLocal(value)
+def rank_local(value: Any, *, missing: str = "error") -> RankLocal:
+    """Mark ``value`` as rank-local: every rank stores its own copy and gets it back.
+
+    On load, rank ``r`` receives what saving rank ``r`` stored. A rank that has no saved
+    counterpart (the job grew) raises MissingKeysError, or with ``missing="keep"`` keeps
+    the destination value as it is."""
+    return RankLocal(value, missing)
 
 
 def join_key(parts: list[str]) -> str:
