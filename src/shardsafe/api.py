@@ -141,22 +141,26 @@ def _plan(layouts_wire: list[list[tuple] | None], signatures: list[str]) -> tupl
     return plan, False
 
 
-def save(
-    state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False, process_group: Any = None
-) -> SaveInfo:
-    """Save ``state_dict`` as a checkpoint directory at ``path``, crash-safely.
+@dataclass
+class PreparedSave:
+    """A save after step 1: every rank agreed on the plan and the temporary directory."""
 
-    With a process group (default: the world group when initialized) every rank calls
-    ``save``; each writes only what it owns and replicated values are written once.
-    The checkpoint becomes visible only once complete; an existing checkpoint at
-    ``path`` is replaced only with ``overwrite=True`` and stays intact until the new one
-    is committed. Values that cannot be saved without pickle raise
-    UnsupportedValueError naming their key on every rank, before anything is written."""
+    comm: Comm
+    path: Path
+    tmp: Path
+    plan: GlobalPlan
+    plan_cached: bool
+    items: list[WriteItem]
+    flat: FlatState
+    dlayouts: dict[str, Any]
+    send_tree: bool
+    t0: float
+
+
+def prepare_save(state_dict: dict[str, Any], path: PathLike, overwrite: bool, comm: Comm) -> PreparedSave:
+    """Step 1 of a save (one all_gather): flatten, describe, agree on errors and plan."""
     t0 = time.perf_counter()
     path = Path(path)
-    comm = resolve(process_group)
-
-    # Step 1: describe, gather, plan.
     error: BaseException | None = None
     wire: list[tuple] = []
     signature = ""
@@ -182,39 +186,48 @@ def save(
     gathered = comm.all_gather(
         (None if error is None else describe(error, comm.rank), wire, tree_digest, tmp_name, signature)
     )
-    failures = [g[0] for g in gathered if g[0] is not None]
     tmp = Path(gathered[0][3]) if gathered[0][3] else None
-    if failures:
+    try:
+        failures = [g[0] for g in gathered if g[0] is not None]
+        if failures:
+            if comm.world == 1 and error is not None:
+                raise error
+            raise rebuild(failures[0]) from error
+        assert tmp is not None
+        plan, cached = _plan([g[1] for g in gathered], [g[4] for g in gathered])
+        items = [WriteItem(a.key, a.box, a.whole, _source_for(sources, a.key, a.box)) for a in plan.by_rank[comm.rank]]
+    except BaseException:
         if comm.rank == 0 and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        if comm.world == 1 and error is not None:
-            raise error
-        raise rebuild(failures[0]) from error
-    assert tmp is not None
-    digests = [g[2] for g in gathered]
+        raise
+    send_tree = comm.rank != 0 and gathered[comm.rank][2] != gathered[0][2]
+    return PreparedSave(comm, path, tmp, plan, cached, items, flat, dlayouts, send_tree, t0)
 
-    # Step 2: write, gather results, commit on rank 0.
-    results: list[tuple[FileEntry, list[tuple[str, Box, int, int, list[str]]]]] = []
-    plan_cached = False
-    my_tree = None
-    try:
-        plan, plan_cached = _plan([g[1] for g in gathered], [g[4] for g in gathered])
-        items = [WriteItem(a.key, a.box, a.whole, _source_for(sources, a.key, a.box)) for a in plan.by_rank[comm.rank]]
-        if items:
-            with ThreadPoolExecutor(1) as pool:
-                entry, written = write_data_file(tmp, FilePlan(data_file_name(comm.rank), comm.rank, items),
-                                                 CHECKSUM_BLOCK, pool)
-            results.append((entry, [(w.item.key, w.item.box, w.start, w.end, w.checksums) for w in written]))
-        if comm.rank != 0 and digests[comm.rank] != digests[0]:
-            my_tree = flat.tree
-    except Exception as exc:  # noqa: BLE001
-        error = exc
-    collected = comm.gather((None if error is None else describe(error, comm.rank), results, flat.rank_local,
-                             my_tree))
+
+FileResult = tuple[FileEntry, list[tuple[str, Box, int, int, list[str]]]]
+
+
+def write_prepared(prep: PreparedSave) -> list[FileResult]:
+    """Step 2 of a synchronous save: write this rank's data file straight from the tensors."""
+    if not prep.items:
+        return []
+    rank = prep.comm.rank
+    with ThreadPoolExecutor(1) as pool:
+        entry, written = write_data_file(prep.tmp, FilePlan(data_file_name(rank), rank, prep.items),
+                                         CHECKSUM_BLOCK, pool)
+    return [(entry, [(w.item.key, w.item.box, w.start, w.end, w.checksums) for w in written])]
+
+
+def finish_save(prep: PreparedSave, results: list[FileResult], error: BaseException | None) -> SaveInfo:
+    """Step 3 (one gather + one small all-reduce): rank 0 writes the manifest and commits;
+    every rank learns whether the commit happened. Raises on every rank when it did not."""
+    comm = prep.comm
+    collected = comm.gather((None if error is None else describe(error, comm.rank), results,
+                             prep.flat.rank_local, prep.flat.tree if prep.send_tree else None))
     committed = True
     commit_error: BaseException | None = error
     if error is not None and not comm.distributed:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(prep.tmp, ignore_errors=True)
         raise error
     if comm.rank == 0:
         assert collected is not None
@@ -223,23 +236,45 @@ def save(
             if bad:
                 commit_error = rebuild(bad[0])
                 raise commit_error
-            manifest = _build_manifest(plan, collected, flat.tree, dlayouts, comm.world)
-            local.write_small_file(tmp / MANIFEST_NAME, manifest.to_bytes())
-            local.commit(tmp, path)
+            manifest = _build_manifest(prep.plan, collected, prep.flat.tree, prep.dlayouts, comm.world)
+            local.write_small_file(prep.tmp / MANIFEST_NAME, manifest.to_bytes())
+            local.commit(prep.tmp, prep.path)
         except BaseException as exc:
             committed = False
             commit_error = commit_error or exc
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(prep.tmp, ignore_errors=True)
             if not comm.distributed:
                 raise
-    ok = comm.all_ok(committed)
-    if not ok:
+    if not comm.all_ok(committed):
         if commit_error is not None:
-            raise commit_error if isinstance(commit_error, CheckpointError) else CheckpointError(
-                f"rank {comm.rank}: save failed: {commit_error}") from commit_error
-        raise CheckpointError(f"save to {path} failed on another rank (rank 0 did not commit); see its error")
+            if isinstance(commit_error, CheckpointError):
+                raise commit_error
+            raise CheckpointError(f"rank {comm.rank}: save failed: {commit_error}") from commit_error
+        raise CheckpointError(f"save to {prep.path} failed on another rank (rank 0 did not commit); see its error")
     mine = sum(e.nbytes for e, _ in results)
-    return SaveInfo(path, mine, len(results), len(flat.tensors), time.perf_counter() - t0, plan_cached)
+    return SaveInfo(prep.path, mine, len(results), len(prep.flat.tensors), time.perf_counter() - prep.t0,
+                    prep.plan_cached)
+
+
+def save(
+    state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False, process_group: Any = None
+) -> SaveInfo:
+    """Save ``state_dict`` as a checkpoint directory at ``path``, crash-safely.
+
+    With a process group (default: the world group when initialized) every rank calls
+    ``save``; each writes only what it owns and replicated values are written once.
+    The checkpoint becomes visible only once complete; an existing checkpoint at
+    ``path`` is replaced only with ``overwrite=True`` and stays intact until the new one
+    is committed. Values that cannot be saved without pickle raise
+    UnsupportedValueError naming their key on every rank, before anything is written."""
+    prep = prepare_save(state_dict, path, overwrite, resolve(process_group))
+    results: list[FileResult] = []
+    error: BaseException | None = None
+    try:
+        results = write_prepared(prep)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank in finish_save
+        error = exc
+    return finish_save(prep, results, error)
 
 
 def _build_manifest(plan: GlobalPlan, collected: list, tree: Any, dlayouts: dict, world: int) -> Manifest:
