@@ -47,7 +47,7 @@ from .plan.save_plan import (
 )
 from .state.match import Matcher
 from .state.sharding import dtensor_pieces, is_dtensor, layout_of
-from .state.tree import FlatState, flatten, join_key, saved_items
+from .state.tree import FlatState, flatten, join_key, saved_items, saved_sequence
 from .storage import local
 
 CHECKSUM_BLOCK = 1 << 20
@@ -425,7 +425,8 @@ def load_full(
 
 
 def _prune(tree: Any, wanted: list[str]) -> Any:
-    """Keep only the parts of a saved dict tree under the wanted dotted prefixes."""
+    """Keep only the parts of a saved tree under the wanted dotted prefixes (a partly
+    selected list or tuple becomes a dict keyed by index)."""
     found = {w: False for w in wanted}
 
     def walk(node: Any, parts: list[str]) -> Any:
@@ -438,6 +439,9 @@ def _prune(tree: Any, wanted: list[str]) -> Any:
         if parts and not any(w.startswith(key + ".") for w in wanted):
             return _DROP
         items = saved_items(node)
+        sequence = saved_sequence(node, list) or saved_sequence(node, tuple)
+        if items is None and sequence is not None:
+            items = list(enumerate(sequence))
         if items is None:
             return _DROP
         kept = {}
@@ -447,7 +451,10 @@ def _prune(tree: Any, wanted: list[str]) -> Any:
                 kept[k] = sub
         if not kept:
             return _DROP
-        if isinstance(node, dict) and "$dict" in node:
+        if sequence is not None and len(kept) == len(sequence):
+            return node
+        if sequence is not None or (isinstance(node, dict) and "$dict" in node):
+            # A partly selected list or tuple comes back as a dict keyed by index.
             from .format.values import encode_dict_key
 
             return {"$dict": [[encode_dict_key(k, key), v] for k, v in kept.items()]}

@@ -45,8 +45,8 @@ class Box:
         return any(n == 0 for n in self.lengths)
 
     def contains(self, other: Box) -> bool:
-        """True when ``other`` lies wholly inside this box."""
-        return all(
+        """True when ``other`` (of the same rank) lies wholly inside this box."""
+        return self.ndim == other.ndim and all(
             so <= oo and oo + on <= so + sn
             for so, sn, oo, on in zip(self.offsets, self.lengths, other.offsets, other.lengths)
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any
 
 from ..errors import CorruptCheckpointError, FormatVersionError
@@ -153,7 +154,7 @@ class Manifest:
         if body.get("checksum_algorithm") != ALGORITHM:
             raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {body.get('checksum_algorithm')!r}")
         try:
-            return Manifest(
+            manifest = Manifest(
                 tree=body["tree"],
                 tensors={k: TensorEntry.from_json(v) for k, v in body["tensors"].items()},
                 files=[FileEntry.from_json(f) for f in body["files"]],
@@ -164,5 +165,61 @@ class Manifest:
                 extra=body.get("extra", {}),
                 version=(version[0], version[1]),
             )
-        except (KeyError, TypeError, IndexError) as exc:
-            raise CorruptCheckpointError(f"{where}: manifest is missing a field: {exc!r}") from None
+        except (KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise CorruptCheckpointError(f"{where}: a manifest field is missing or mistyped: {exc!r}") from None
+        problem = _structure_problem(manifest)
+        if problem:
+            raise CorruptCheckpointError(f"{where}: inconsistent manifest: {problem}")
+        return manifest
+
+
+def _count(v: Any) -> bool:
+    """A non-negative JSON integer (not a bool)."""
+    return type(v) is int and v >= 0
+
+
+def _structure_problem(m: Manifest) -> str | None:
+    """What makes a parsed manifest unusable, or None. Checks types and that every chunk
+    lies inside its tensor and, byte for byte, inside the data area of an existing file of
+    the checkpoint directory, so that no reader reads elsewhere or allocates on trust."""
+    from .dtypes import itemsize, torch_dtype
+
+    if not (_count(m.world_size) and m.world_size >= 1):
+        return f"world_size {m.world_size!r}"
+    for name, part in (("extra", m.extra), ("writer", m.writer), ("rank_local", m.rank_local)):
+        if not isinstance(part, dict):
+            return f"{name} is not an object"
+    for i, f in enumerate(m.files):
+        if not (isinstance(f.name, str) and f.name not in ("", ".", "..") and not any(c in f.name for c in "/\\\0")):
+            return f"file {i}: name {f.name!r} is not a plain file name"
+        if not (_count(f.nbytes) and _count(f.rank) and _count(f.header_bytes) and 8 <= f.header_bytes <= f.nbytes):
+            return f"file {f.name!r}: bad sizes (bytes {f.nbytes!r}, header_bytes {f.header_bytes!r})"
+        if not isinstance(f.header_checksum, str):
+            return f"file {f.name!r}: bad header checksum"
+    for key, t in m.tensors.items():
+        if not (isinstance(t.dtype, str) and isinstance(t.shape, tuple) and all(_count(s) for s in t.shape)):
+            return f"tensor '{key}': bad dtype {t.dtype!r} or shape {list(t.shape)!r}"
+        if t.kind not in KINDS or not isinstance(t.chunks, list) or not isinstance(t.layout, (dict, type(None))):
+            return f"tensor '{key}': bad kind, chunks or layout"
+        dtype = torch_dtype(t.dtype)
+        size = itemsize(dtype) if dtype is not None else None
+        for c in t.chunks:
+            where = f"tensor '{key}', chunk at {list(c.offsets)!r}"
+            if not (
+                len(c.offsets) == len(c.lengths) == len(t.shape)
+                and all(_count(v) for v in c.offsets + c.lengths)
+                and all(o + n <= s for o, n, s in zip(c.offsets, c.lengths, t.shape))
+            ):
+                return f"{where}: box {list(c.offsets)}+{list(c.lengths)} is not inside shape {list(t.shape)}"
+            if not (type(c.file) is int and 0 <= c.file < len(m.files)):
+                return f"{where}: file index {c.file!r} is out of range"
+            f = m.files[c.file]
+            if not (_count(c.start) and _count(c.end) and f.header_bytes <= c.start <= c.end <= f.nbytes):
+                return f"{where}: byte range {c.start!r}-{c.end!r} is outside the data of {f.name}"
+            if size is not None and c.end - c.start != prod(c.lengths) * size:
+                return f"{where}: byte range {c.start}-{c.end} does not hold {prod(c.lengths)} {t.dtype} elements"
+            if not (isinstance(c.checksum, list) and c.checksum and all(isinstance(x, str) for x in c.checksum)):
+                return f"{where}: bad block checksums"
+            if not _count(c.rank):
+                return f"{where}: bad rank {c.rank!r}"
+    return None

@@ -223,6 +223,15 @@ class Matcher:
                 DtypeMismatchError(f"key '{path}': saved dtype {entry.dtype}, destination dtype {expected}")
             )
             return
+        for local, _ in views:
+            if local.numel() > 1 and torch._debug_has_internal_overlap(local) == 1:
+                self.result.errors.append(
+                    CheckpointError(
+                        f"key '{path}': the destination tensor has overlapping memory (an expand()ed view?); "
+                        "load into a tensor whose elements are distinct"
+                    )
+                )
+                return
         for local, box in views:
             self.result.fills.append(Fill(key, local, box, fresh=False))
 
