@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from .api import LoadInfo, SaveInfo, load, load_full, read_manifest, save  # noqa: E402
+from .async_save import AsyncSaver, SaveFuture, async_save, wait_for_pending  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     CheckpointExistsError,
@@ -24,6 +25,10 @@ __all__ = [
     "save",
     "load",
     "load_full",
+    "async_save",
+    "wait_for_pending",
+    "AsyncSaver",
+    "SaveFuture",
     "read_manifest",
     "SaveInfo",
     "LoadInfo",

@@ -373,7 +373,7 @@ def _tail_part(size: int, world_size: int, rank: int) -> tuple[int, int]:
     Ranks below ``size % world_size`` get one sample more; parts follow in rank order.
     """
     q, m = divmod(size, world_size)
-    return rank * q + max(0, rank - (world_size - m)), q + (1 if rank >= world_size - m else 0)
+    return rank * q + min(rank, m), q + (1 if rank < m else 0)
 
 
 def _yield_ints(indices: torch.Tensor) -> Iterator[int]:
