@@ -17,6 +17,7 @@ from .errors import (  # noqa: E402
     UnexpectedKeysError,
     UnsupportedValueError,
 )
+from .manager import CheckpointConfig, CheckpointManager  # noqa: E402
 from .state.train_state import TrainState  # noqa: E402
 from .state.tree import Stateful, rank_local  # noqa: E402
 
@@ -35,6 +36,8 @@ __all__ = [
     "Stateful",
     "rank_local",
     "TrainState",
+    "CheckpointManager",
+    "CheckpointConfig",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",

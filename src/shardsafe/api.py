@@ -347,6 +347,7 @@ def load(
     verify: bool = True,
     process_group: Any = None,
     max_buffer: int = DEFAULT_MAX_BUFFER,
+    exclude: list[str] | tuple[str, ...] = (),
 ) -> LoadInfo:
     """Load the checkpoint at ``path`` into ``state_dict`` in place, on one process or on
     every rank of a process group, whatever world size or layout saved it.
@@ -355,7 +356,8 @@ def load(
     Statefuls get ``load_state_dict`` with their filled tree, other values are replaced.
     Keys, shapes and dtypes are validated — and with ``verify`` the checksum of every
     needed block — before any destination byte is written, so a failed load leaves the
-    destination untouched; every rank raises the same error."""
+    destination untouched; every rank raises the same error. Dotted keys or prefixes in
+    ``exclude`` are left as they are in the destination."""
     t0 = time.perf_counter()
     path = Path(path)
     comm = resolve(process_group)
@@ -364,7 +366,7 @@ def load(
     result = None
     try:
         manifest = read_manifest(path)
-        matcher = Matcher(manifest, rank=comm.rank, strict=strict)
+        matcher = Matcher(manifest, rank=comm.rank, strict=strict, exclude=exclude)
         matcher.match(state_dict, manifest.tree, [], top=True)
         result = matcher.result
         result.raise_errors()

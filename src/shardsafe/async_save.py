@@ -61,7 +61,8 @@ class SaveFuture:
 class AsyncSaver:
     """Async saves of one job: the staging pool, the dedicated group and the save in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, pin_memory: bool = True) -> None:
+        self.pin_memory = pin_memory  # pinned staging when CUDA tensors are saved
         self.pool = StagingPool()
         self.pending: SaveFuture | None = None
         self._groups: dict[Any, Any] = {}
@@ -107,7 +108,7 @@ class AsyncSaver:
         try:
             if prep.items:
                 spec = StreamedFile(prep.tmp, data_file_name(comm.rank), comm.rank, prep.items, CHECKSUM_BLOCK)
-                writer = StagedWriter(spec, self.pool, max_staging_bytes)
+                writer = StagedWriter(spec, self.pool, max_staging_bytes, self.pin_memory)
                 writer.stage()
         except BaseException as exc:  # noqa: BLE001 - the commit step reports it to every rank
             stage_error: BaseException | None = exc

@@ -112,7 +112,7 @@ class StreamedFile:
 class StagedWriter:
     """Stage a rank's chunks into pool slots (caller thread) and write them (background thread)."""
 
-    def __init__(self, spec: StreamedFile, pool: StagingPool, capacity: int | None) -> None:
+    def __init__(self, spec: StreamedFile, pool: StagingPool, capacity: int | None, pin: bool = True) -> None:
         self.spec = spec
         sources = [it.source for it in spec.items]
         entries = [
@@ -123,7 +123,7 @@ class StagedWriter:
         spec.header, spec.ranges = build_header(entries)
         total = sum(e.nbytes for e in entries)
         self.cuda = any(s.device.type == "cuda" for s in sources)
-        pin = self.cuda and torch.cuda.is_available()
+        pin = pin and self.cuda and torch.cuda.is_available()
         want = total if capacity is None else max(min(total, MIN_POOL), min(total, capacity))
         self.slot_views = pool.slots(want, pin)
         self.free: queue.Queue[int] = queue.Queue()

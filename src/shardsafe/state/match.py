@@ -87,7 +87,9 @@ class Matcher:
         rank: int = 0,
         strict: bool = True,
         rank_local_tree: Callable[[str], Any] | None = None,
+        exclude: list[str] | tuple[str, ...] = (),
     ) -> None:
+        self.exclude = tuple(exclude)
         self.manifest = manifest
         self.rank = rank
         self.strict = strict
@@ -128,6 +130,8 @@ class Matcher:
     def match(self, dest: Any, saved: Any, parts: list[str], top: bool = False) -> Any:
         """Return the value that should stand at this position after the load."""
         path = join_key(parts) or "<root>"
+        if self.exclude and parts and any(path == e or path.startswith(e + ".") for e in self.exclude):
+            return dest
         ref = saved_ref(saved)
         if ref is not None and ref[0] == "$rank_local":
             try:
