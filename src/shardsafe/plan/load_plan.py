@@ -44,8 +44,8 @@ class ReadOp:
 
 def _dest_range(fill: Fill, box: Box, size: int) -> tuple[int, int] | None:
     t = fill.tensor
-    if t.device.type != "cpu" or not t.is_contiguous():
-        return None
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None  # lazy conj/neg views take their values through copy_()
     runs = list(byte_runs(box, fill.box, size))
     if len(runs) != 1:
         return None

@@ -1,0 +1,128 @@
+"""``shardsafe inspect``: the key tree of a checkpoint with each tensor's kind, dtype,
+global shape, bytes and chunks, and plain values shown briefly. Reads only the manifest."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..format.dtypes import itemsize, torch_dtype
+from ..format.manifest import Manifest, TensorEntry
+from .common import PathLike, human_bytes
+from .entries import Leaf, brief, leaves
+from .reading import open_checkpoint
+
+
+def tensor_bytes(entry: TensorEntry) -> int:
+    """Bytes of the whole tensor (from its dtype and global shape)."""
+    dtype = torch_dtype(entry.dtype)
+    n = 1
+    for s in entry.shape:
+        n *= s
+    return n * (itemsize(dtype) if dtype is not None else 0)
+
+
+@dataclass
+class Row:
+    """One line of the key tree: a tensor, a plain value or a rank-local marker."""
+
+    kind: str  # "sharded" | "replicated" | "rank_local" (tensors) | "value" | "rank-local value"
+    parts: tuple[str, ...]
+    key: str
+    dtype: str | None = None
+    shape: list[int] | None = None
+    nbytes: int | None = None
+    chunks: int | None = None
+    ranks: list[int] | None = None  # saving ranks that wrote its chunks
+    value: str | None = None  # brief description of a plain value
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (without empty members)."""
+        d = {"key": self.key, "kind": self.kind, "dtype": self.dtype, "shape": self.shape, "bytes": self.nbytes,
+             "chunks": self.chunks, "ranks": self.ranks, "value": self.value}
+        return {k: v for k, v in d.items() if v is not None}
+
+
+@dataclass
+class Inspection:
+    """What ``shardsafe inspect`` shows about one checkpoint."""
+
+    path: str
+    world_size: int
+    created: float
+    writer: dict[str, str]
+    files: list[dict[str, Any]]
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def tensor_rows(self) -> list[Row]:
+        return [r for r in self.rows if r.dtype is not None]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "path": self.path, "world_size": self.world_size, "created": self.created, "writer": self.writer,
+            "files": self.files, "tensors": len(self.tensor_rows),
+            "tensor_bytes": sum(r.nbytes or 0 for r in self.tensor_rows),
+            "entries": [r.to_json() for r in self.rows],
+        }
+
+    def to_text(self) -> str:
+        """The indented key tree."""
+        total = sum(r.nbytes or 0 for r in self.tensor_rows)
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.created))
+        head = (f"{self.path}: world size {self.world_size}, saved {created}, {len(self.tensor_rows)} tensors "
+                f"({human_bytes(total)}) in {len(self.files)} data files")
+        lines: list[tuple[str, str]] = []
+        shown: tuple[str, ...] = ()
+        for row in self.rows:
+            parent = row.parts[:-1]
+            common = 0
+            while common < min(len(parent), len(shown)) and parent[common] == shown[common]:
+                common += 1
+            for depth in range(common, len(parent)):
+                lines.append(("  " * depth + parent[depth], ""))
+            shown = parent
+            name = "  " * len(parent) + (row.parts[-1] if row.parts else "<root>")
+            lines.append((name, _describe(row)))
+        width = min(max((len(n) for n, _ in lines), default=0), 60)
+        body = [f"{n:<{width}}  {d}".rstrip() for n, d in lines]
+        return "\n".join([head, *body])
+
+
+def _describe(row: Row) -> str:
+    if row.dtype is not None:
+        shape = "[" + ", ".join(str(s) for s in row.shape or []) + "]"
+        chunks = f"{row.chunks} chunk" + ("s" if row.chunks != 1 else "")
+        return f"{row.kind:<10}  {row.dtype:<9} {shape:<16} {human_bytes(row.nbytes or 0):>10}  {chunks}"
+    return f"{row.kind:<10}  {row.value}"
+
+
+def _row(leaf: Leaf, manifest: Manifest) -> Row:
+    if leaf.kind == "tensor":
+        entry = manifest.tensors.get(leaf.key)
+        if entry is None:
+            return Row("missing", leaf.parts, leaf.key, value="tensor not described in the manifest")
+        return Row(entry.kind, leaf.parts, leaf.key, entry.dtype, list(entry.shape), tensor_bytes(entry),
+                   len(entry.chunks), sorted({c.rank for c in entry.chunks}))
+    if leaf.kind == "rank_local":
+        per_rank = manifest.rank_local.get(leaf.node["$rank_local"]) or []
+        n = sum(1 for v in per_rank if v is not None)
+        return Row("rank-local value", leaf.parts, leaf.key, value=f"one copy per saving rank ({n} ranks)")
+    try:
+        text = brief(leaf.decoded())
+    except Exception as exc:  # noqa: BLE001 - a bad value is shown, not fatal
+        text = f"<undecodable: {exc}>"
+    return Row("value", leaf.parts, leaf.key, value=text)
+
+
+def inspect_checkpoint(path: PathLike, manifest: Manifest | None = None) -> Inspection:
+    """The key tree of the checkpoint at ``path`` (reads and verifies only its manifest)."""
+    root = Path(path)
+    if manifest is None:
+        root, manifest = open_checkpoint(root)
+    rows = [_row(leaf, manifest) for leaf in leaves(manifest, "all")]
+    files = [{"name": f.name, "bytes": f.nbytes, "rank": f.rank} for f in manifest.files]
+    return Inspection(str(root), manifest.world_size, manifest.created, dict(manifest.writer), files, rows)

@@ -1,0 +1,549 @@
+"""Damaged checkpoints: flipped bytes, truncated or missing files, foreign format
+versions, leftovers of interrupted saves, and files that would run code if unpickled."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardsafe
+from shardsafe import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+)
+from shardsafe.format.manifest import MANIFEST_NAME, Manifest
+
+MIB = 1 << 20
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def state() -> dict:
+    g = torch.Generator().manual_seed(1234)
+    return {
+        # 2.5 MiB: three checksum blocks (1 MiB each)
+        "big": torch.randn(640 * 1024, generator=g),
+        "model": {"w": torch.randn(64, 33, generator=g), "b": torch.randint(-99, 99, (17,), generator=g)},
+        "half": torch.randn(10, 10, generator=g).to(torch.bfloat16),
+        "last": torch.arange(40, dtype=torch.int16),
+        "step": 12,
+    }
+
+
+def sentinel_dest() -> dict:
+    """Destinations for an in-place load, prefilled with a recognisable pattern."""
+    return {
+        "big": torch.full((640 * 1024,), -1.5),
+        "model": {"w": torch.full((64, 33), 7.0), "b": torch.full((17,), 3, dtype=torch.int64)},
+        "half": torch.full((10, 10), 2.0, dtype=torch.bfloat16),
+        "last": torch.full((40,), -9, dtype=torch.int16),
+        "step": -1,
+    }
+
+
+def assert_dest_untouched(dest: dict) -> None:
+    fresh = sentinel_dest()
+    assert dest["step"] == -1
+    for get in (lambda d: d["big"], lambda d: d["model"]["w"], lambda d: d["model"]["b"],
+                lambda d: d["half"], lambda d: d["last"]):
+        assert torch.equal(raw(get(dest)), raw(get(fresh))), "a failed load wrote into the destination"
+
+
+def assert_loads_correctly(path: Path) -> None:
+    want = state()
+    out = shardsafe.load_full(path)
+    assert out["step"] == 12
+    assert torch.equal(raw(out["big"]), raw(want["big"]))
+    assert torch.equal(raw(out["model"]["w"]), raw(want["model"]["w"]))
+    assert torch.equal(raw(out["last"]), raw(want["last"]))
+
+
+def make_ckpt(tmp_path: Path) -> tuple[Path, Path]:
+    path = tmp_path / "ckpt"
+    shardsafe.save(state(), path)
+    (data,) = sorted(path.glob("*.safetensors"))
+    return path, data
+
+
+def chunk_range(path: Path, key: str) -> tuple[int, int]:
+    m = shardsafe.read_manifest(path)
+    (c,) = m.tensors[key].chunks
+    return c.start, c.end
+
+
+def flip(file: Path, pos: int, mask: int = 0x5A) -> None:
+    data = bytearray(file.read_bytes())
+    data[pos] ^= mask
+    file.write_bytes(bytes(data))
+
+
+# --------------------------------------------------------------------------- data file bytes
+
+DATA_POSITIONS = {
+    # name: (where, tensor key named in the error or None for the header)
+    "length_prefix": ("header", 0),
+    "header_json_start": ("header", 8),
+    "header_json_middle": ("header", "middle"),
+    "header_last_byte": ("header", "last"),
+    "big_first_block": ("big", 100),
+    "big_middle_block": ("big", "middle"),
+    "big_last_byte": ("big", "end"),
+    "model.w_middle": ("model.w", "middle"),
+    "model.b_first": ("model.b", 0),
+    "last_byte_of_file": ("<key of the last chunk>", "end"),
+}
+
+
+def last_key(path: Path, data: Path) -> str:
+    """The key whose chunk ends the data file."""
+    m = shardsafe.read_manifest(path)
+    (key,) = [k for k, t in m.tensors.items() if t.chunks[0].end == data.stat().st_size]
+    return key
+
+
+def resolve(path: Path, data: Path, where: str, at) -> int:
+    if where == "header":
+        hdr = shardsafe.read_manifest(path).files[0].header_bytes
+        return {"middle": hdr // 2, "last": hdr - 1}.get(at, at)
+    start, end = chunk_range(path, where)
+    return {"middle": (start + end) // 2, "end": end - 1}.get(at, start + at if isinstance(at, int) else at)
+
+
+@pytest.mark.parametrize("case", list(DATA_POSITIONS))
+def test_flipped_data_byte_detected(tmp_path, case):
+    path, data = make_ckpt(tmp_path)
+    where, at = DATA_POSITIONS[case]
+    if case == "last_byte_of_file":
+        where = last_key(path, data)
+    pos = resolve(path, data, where, at)
+    if case == "last_byte_of_file":
+        assert pos == data.stat().st_size - 1
+    flip(data, pos)
+
+    for load in (lambda: shardsafe.load_full(path), lambda: shardsafe.load(sentinel_dest(), path)):
+        with pytest.raises(CorruptCheckpointError) as ei:
+            load()
+        msg = str(ei.value)
+        assert data.name in msg
+        if where != "header":
+            assert f"'{where}'" in msg
+
+    dest = sentinel_dest()
+    with pytest.raises(CorruptCheckpointError):
+        shardsafe.load(dest, path)
+    assert_dest_untouched(dest)
+
+    if where != "header":
+        # Loading only other keys does not need the damaged bytes.
+        other = "last" if where != "last" else "big"
+        out = shardsafe.load_full(path, keys=[other])
+        assert torch.equal(raw(out[other]), raw(state()[other]))
+
+
+@pytest.mark.parametrize("key", ["big", "model.w", "last"])
+def test_verify_false_skips_data_checksums(tmp_path, key):
+    path, data = make_ckpt(tmp_path)
+    start, end = chunk_range(path, key)
+    pos = (start + end) // 2
+    flip(data, pos, 0xFF)
+    out = shardsafe.load_full(path, verify=False)
+    got = out
+    for part in key.split("."):
+        got = got[part]
+    want = state()
+    for part in key.split("."):
+        want = want[part]
+    diff = (raw(got) != raw(want)).nonzero().reshape(-1).tolist()
+    assert diff == [pos - start], "verify=False must load the bytes as they are on disk"
+
+    dest = sentinel_dest()
+    shardsafe.load(dest, path, verify=False)
+    assert dest["step"] == 12
+    target = dest
+    for part in key.split("."):
+        target = target[part]
+    assert torch.equal(raw(target), raw(got))
+
+
+def test_stateful_destination_untouched_on_corruption(tmp_path):
+    model = torch.nn.Linear(8, 4)
+    path = tmp_path / "c"
+    shardsafe.save({"model": model}, path)
+    start, end = chunk_range(path, "model.weight")
+    (data,) = path.glob("*.safetensors")
+    flip(data, start + 3)
+    dst = torch.nn.Linear(8, 4)
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    with pytest.raises(CorruptCheckpointError) as ei:
+        shardsafe.load({"model": dst}, path)
+    assert "'model.weight'" in str(ei.value)
+    for k, v in dst.state_dict().items():
+        assert torch.equal(raw(v), raw(before[k]))
+
+
+# --------------------------------------------------------------------------- manifest bytes
+
+
+@pytest.mark.parametrize("where", [0, 1, "quarter", "half", "three_quarters", "trailer_key", "checksum", -3, -2, -1])
+def test_flipped_manifest_byte_detected(tmp_path, where):
+    path, _ = make_ckpt(tmp_path)
+    mfile = path / MANIFEST_NAME
+    text = mfile.read_bytes()
+    n = len(text)
+    trailer = text.rfind(b'"manifest_xxh3_64"')
+    assert trailer > 0
+    pos = {
+        "quarter": n // 4,
+        "half": n // 2,
+        "three_quarters": 3 * n // 4,
+        "trailer_key": trailer + 5,
+        "checksum": trailer + len(b'"manifest_xxh3_64": "') + 3,
+    }.get(where, where)
+    flip(mfile, pos, 0x01)
+    for call in (lambda: shardsafe.load_full(path), lambda: shardsafe.load(sentinel_dest(), path),
+                 lambda: shardsafe.read_manifest(path)):
+        with pytest.raises(CorruptCheckpointError) as ei:
+            call()
+        assert MANIFEST_NAME in str(ei.value)
+    dest = sentinel_dest()
+    with pytest.raises(CorruptCheckpointError):
+        shardsafe.load(dest, path)
+    assert_dest_untouched(dest)
+
+
+@pytest.mark.parametrize("keep", [0, 1, 10, "half", -3])
+def test_truncated_manifest(tmp_path, keep):
+    path, _ = make_ckpt(tmp_path)
+    mfile = path / MANIFEST_NAME
+    text = mfile.read_bytes()
+    keep = len(text) // 2 if keep == "half" else keep
+    mfile.write_bytes(text[:keep])
+    with pytest.raises(CorruptCheckpointError) as ei:
+        shardsafe.load_full(path)
+    assert MANIFEST_NAME in str(ei.value)
+
+
+def test_manifest_with_junk_appended(tmp_path):
+    path, _ = make_ckpt(tmp_path)
+    mfile = path / MANIFEST_NAME
+    mfile.write_bytes(mfile.read_bytes() + b'{"x": 1}\n')
+    with pytest.raises(CorruptCheckpointError) as ei:
+        shardsafe.load_full(path)
+    assert MANIFEST_NAME in str(ei.value)
+
+
+def test_missing_manifest(tmp_path):
+    path, _ = make_ckpt(tmp_path)
+    (path / MANIFEST_NAME).unlink()
+    for call in (lambda: shardsafe.load_full(path), lambda: shardsafe.load({"step": 0}, path),
+                 lambda: shardsafe.read_manifest(path)):
+        with pytest.raises(CheckpointNotFoundError) as ei:
+            call()
+        assert f"no checkpoint at {path}" in str(ei.value)
+    assert isinstance(ei.value, FileNotFoundError)
+
+
+def test_no_directory_at_all(tmp_path):
+    path = tmp_path / "never-saved"
+    with pytest.raises(CheckpointNotFoundError) as ei:
+        shardsafe.load_full(path)
+    assert f"no checkpoint at {path}" in str(ei.value)
+    assert not path.exists()
+
+
+# --------------------------------------------------------------------------- data file size / presence
+
+
+@pytest.mark.parametrize("cut", [1, 1000, "half", "all_but_header"])
+def test_truncated_data_file(tmp_path, cut):
+    path, data = make_ckpt(tmp_path)
+    blob = data.read_bytes()
+    header = shardsafe.read_manifest(path).files[0].header_bytes
+    keep = {"half": len(blob) // 2, "all_but_header": header}.get(cut, len(blob) - cut if isinstance(cut, int) else 0)
+    data.write_bytes(blob[:keep])
+    dest = sentinel_dest()
+    for call in (lambda: shardsafe.load_full(path), lambda: shardsafe.load(dest, path),
+                 lambda: shardsafe.load_full(path, verify=False)):
+        with pytest.raises(CorruptCheckpointError) as ei:
+            call()
+        assert data.name in str(ei.value)
+    assert_dest_untouched(dest)
+
+
+def test_extended_data_file(tmp_path):
+    path, data = make_ckpt(tmp_path)
+    with open(data, "ab") as f:
+        f.write(b"\0" * 16)
+    with pytest.raises(CorruptCheckpointError) as ei:
+        shardsafe.load_full(path)
+    assert data.name in str(ei.value)
+
+
+def test_missing_data_file(tmp_path):
+    path, data = make_ckpt(tmp_path)
+    data.unlink()
+    dest = sentinel_dest()
+    for call in (lambda: shardsafe.load_full(path), lambda: shardsafe.load(dest, path)):
+        with pytest.raises(CorruptCheckpointError) as ei:
+            call()
+        assert data.name in str(ei.value)
+    assert_dest_untouched(dest)
+    # Values-only loads do not need the data file.
+    assert shardsafe.load_full(path, keys="step") == {"step": 12}
+
+
+def test_replaced_data_file_same_size(tmp_path):
+    """Another checkpoint's data file of the same size put in place is caught by checksums."""
+    path, data = make_ckpt(tmp_path)
+    other = tmp_path / "other"
+    st = state()
+    st["big"] = st["big"] + 1
+    shardsafe.save(st, other)
+    (odata,) = other.glob("*.safetensors")
+    assert odata.stat().st_size == data.stat().st_size
+    os.replace(odata, data)
+    with pytest.raises(CorruptCheckpointError) as ei:
+        shardsafe.load_full(path)
+    assert "'big'" in str(ei.value)
+
+
+# --------------------------------------------------------------------------- format version
+
+
+def rewrite_manifest(path: Path, edit) -> None:
+    mfile = path / MANIFEST_NAME
+    m = Manifest.from_bytes(mfile.read_bytes())
+    edit(m)
+    mfile.write_bytes(m.to_bytes())
+
+
+def test_future_major_version_refused(tmp_path):
+    path, _ = make_ckpt(tmp_path)
+
+    def bump(m):
+        m.version = (2, 0)
+
+    rewrite_manifest(path, bump)
+    json.loads((path / MANIFEST_NAME).read_bytes())  # still well-formed
+    dest = sentinel_dest()
+    for call in (lambda: shardsafe.load_full(path), lambda: shardsafe.load(dest, path),
+                 lambda: shardsafe.read_manifest(path)):
+        with pytest.raises(FormatVersionError) as ei:
+            call()
+        assert "2.0" in str(ei.value) and MANIFEST_NAME in str(ei.value)
+    assert_dest_untouched(dest)
+
+
+def test_newer_minor_version_still_loads(tmp_path):
+    path, _ = make_ckpt(tmp_path)
+
+    def bump(m):
+        m.version = (1, 9)
+
+    rewrite_manifest(path, bump)
+    assert shardsafe.read_manifest(path).version == (1, 9)
+    assert_loads_correctly(path)
+
+
+def test_rewritten_manifest_round_trips(tmp_path):
+    """The helper above is faithful: re-serialising an unchanged manifest changes nothing."""
+    path, _ = make_ckpt(tmp_path)
+    before = (path / MANIFEST_NAME).read_bytes()
+    rewrite_manifest(path, lambda m: None)
+    assert (path / MANIFEST_NAME).read_bytes() == before
+
+
+# --------------------------------------------------------------------------- leftovers
+
+
+def test_leftover_temp_directories_are_ignored(tmp_path):
+    path, _ = make_ckpt(tmp_path)
+    tmp = tmp_path / ".ckpt.shardsafe-tmp-xyz"
+    tmp.mkdir()
+    (tmp / MANIFEST_NAME).write_bytes(b"{junk")
+    (tmp / "data-r00000-00.safetensors").write_bytes(os.urandom(1000))
+    (tmp_path / "junk.bin").write_bytes(os.urandom(100))
+    (path / "stray.txt").write_text("not part of the checkpoint")
+    assert_loads_correctly(path)
+    dest = sentinel_dest()
+    shardsafe.load(dest, path)
+    assert dest["step"] == 12
+
+    # A later overwrite cleans the stale temp directory and keeps loading.
+    shardsafe.save(state(), path, overwrite=True)
+    assert not tmp.exists()
+    assert (tmp_path / "junk.bin").exists()
+    assert_loads_correctly(path)
+
+
+def test_interrupted_first_save_leaves_no_checkpoint(tmp_path):
+    """A temp directory without a committed sibling is not a checkpoint."""
+    tmp = tmp_path / ".ckpt.shardsafe-tmp-abc"
+    tmp.mkdir()
+    src, _ = make_ckpt(tmp_path / "src")
+    for f in src.iterdir():
+        (tmp / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(CheckpointNotFoundError):
+        shardsafe.load_full(tmp_path / "ckpt")
+    shardsafe.save({"x": 1}, tmp_path / "ckpt")
+    assert shardsafe.load_full(tmp_path / "ckpt") == {"x": 1}
+    assert not tmp.exists()
+
+
+# --------------------------------------------------------------------------- pickle safety
+
+
+class _Evil:
+    """Unpickling this creates ``marker`` (a stand-in for running arbitrary code)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+class _EvilSystem:
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_payloads_in_directory_never_run(tmp_path):
+    path, _ = make_ckpt(tmp_path)
+    marker = tmp_path / "PWNED"
+    payloads = {
+        "data.pkl": pickle.dumps(_Evil(marker)),
+        ".metadata": pickle.dumps(_EvilSystem(marker)),
+        "__0_0.distcp": pickle.dumps({"state": _Evil(marker)}),
+        "model.pt": pickle.dumps(_EvilSystem(marker)),
+    }
+    for name, blob in payloads.items():
+        (path / name).write_bytes(blob)
+
+    # The payloads are live: unpickling one elsewhere does create its marker.
+    probe = tmp_path / "probe"
+    pickle.loads(pickle.dumps(_Evil(probe))).close()
+    assert probe.exists()
+
+    assert_loads_correctly(path)
+    dest = sentinel_dest()
+    shardsafe.load(dest, path)
+    assert dest["step"] == 12
+    shardsafe.read_manifest(path)
+    assert not marker.exists()
+
+
+def test_no_pickle_used_on_save_or_load(tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("pickle / torch.load must not be used")
+
+    class NoUnpickler:
+        def __init__(self, *args, **kwargs):
+            boom()
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    sd = {"model": model, "optim": opt, "extra": state()}
+
+    monkeypatch.setattr(pickle, "loads", boom)
+    monkeypatch.setattr(pickle, "load", boom)
+    monkeypatch.setattr(pickle, "dumps", boom)
+    monkeypatch.setattr(pickle, "dump", boom)
+    monkeypatch.setattr(pickle, "Unpickler", NoUnpickler)
+    monkeypatch.setattr(pickle, "Pickler", NoUnpickler)
+    monkeypatch.setattr(torch, "load", boom)
+    monkeypatch.setattr(torch.serialization, "load", boom)
+    monkeypatch.setattr(torch, "save", boom)
+
+    path = tmp_path / "c"
+    shardsafe.save(sd, path)
+    out = shardsafe.load_full(path)
+    assert torch.equal(out["model"]["weight"], model.weight.detach())
+    model2 = torch.nn.Linear(4, 3)
+    opt2 = torch.optim.AdamW(model2.parameters())
+    shardsafe.load({"model": model2, "optim": opt2, "extra": sentinel_dest()}, path)
+    assert torch.equal(model2.weight, model.weight)
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+# --------------------------------------------------------------------------- crafted manifests
+
+TRAILER = b', "manifest_xxh3_64": "'
+
+
+def write_body(path: Path, body: dict) -> None:
+    """Write a manifest body with a correct integrity trailer (docs/format.md)."""
+    from shardsafe.format.checksum import checksum
+
+    body = {k: v for k, v in body.items() if k != "manifest_xxh3_64"}
+    head = json.dumps(body, separators=(",", ":")).encode()[:-1]
+    (path / MANIFEST_NAME).write_bytes(head + TRAILER + checksum(head).encode() + b'"}\n')
+
+
+def _chunk(body: dict, key: str) -> dict:
+    return body["tensors"][key]["chunks"][0]
+
+
+CRAFTED = {
+    "tensors_not_object": lambda b: b.__setitem__("tensors", []),
+    "files_not_list": lambda b: b.__setitem__("files", {}),
+    "extra_not_object": lambda b: b.__setitem__("extra", [1]),
+    "rank_local_not_object": lambda b: b.__setitem__("rank_local", [1]),
+    "world_size_zero": lambda b: b.__setitem__("world_size", 0),
+    "file_index_out_of_range": lambda b: _chunk(b, "last").__setitem__("f", 3),
+    "file_index_negative": lambda b: _chunk(b, "last").__setitem__("f", -1),
+    "byte_range_too_short": lambda b: _chunk(b, "last").__setitem__("b", [_chunk(b, "last")["b"][0],
+                                                                          _chunk(b, "last")["b"][0] + 8]),
+    "byte_range_past_end": lambda b: _chunk(b, "last").__setitem__("b", [b["files"][0]["bytes"] - 40,
+                                                                         b["files"][0]["bytes"] + 40]),
+    "byte_range_in_header": lambda b: _chunk(b, "last").__setitem__("b", [0, 80]),
+    "box_outside_shape": lambda b: _chunk(b, "model.w").__setitem__("o", [1, 0]),
+    "box_rank_differs": lambda b: _chunk(b, "model.w").__setitem__("n", [64 * 33]),
+    "shape_negative": lambda b: b["tensors"]["last"].__setitem__("shape", [-40]),
+    "shape_not_ints": lambda b: b["tensors"]["last"].__setitem__("shape", ["40"]),
+    "dtype_not_string": lambda b: b["tensors"]["last"].__setitem__("dtype", 5),
+    "unknown_kind": lambda b: b["tensors"]["last"].__setitem__("kind", "weird"),
+    "checksums_not_list": lambda b: _chunk(b, "last").__setitem__("x", "0123456789abcdef"),
+    "file_name_escapes": lambda b: b["files"][0].__setitem__("name", "../other/data-r00000-00.safetensors"),
+    "file_name_absolute": lambda b: b["files"][0].__setitem__("name", "/etc/hostname"),
+    "header_bytes_huge": lambda b: b["files"][0].__setitem__("header_bytes", 10**13),
+    "file_bytes_not_int": lambda b: b["files"][0].__setitem__("bytes", "many"),
+    "chunk_not_object": lambda b: b["tensors"]["last"].__setitem__("chunks", [5]),
+    "missing_world_size": lambda b: b.pop("world_size"),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_inconsistent_manifest_refused(tmp_path, case):
+    """A manifest with a valid trailer but impossible contents is refused up front, with
+    CorruptCheckpointError naming the manifest, never read on trust."""
+    path, _ = make_ckpt(tmp_path)
+    body = json.loads((path / MANIFEST_NAME).read_bytes())
+    CRAFTED[case](body)
+    write_body(path, body)
+    dest = sentinel_dest()
+    for call in (lambda: shardsafe.read_manifest(path), lambda: shardsafe.load_full(path),
+                 lambda: shardsafe.load(dest, path)):
+        with pytest.raises(CorruptCheckpointError) as ei:
+            call()
+        assert MANIFEST_NAME in str(ei.value)
+    assert_dest_untouched(dest)
+
+
+def test_crafted_manifest_helper_is_faithful(tmp_path):
+    path, _ = make_ckpt(tmp_path)
+    write_body(path, json.loads((path / MANIFEST_NAME).read_bytes()))
+    assert_loads_correctly(path)
