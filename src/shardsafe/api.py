@@ -6,8 +6,8 @@ Save protocol (every rank of the group calls ``save``):
      temporary directory, and any error), so every rank computes the same global plan;
   2. each rank writes its file into the temporary directory and fsyncs it; one
      ``gather_object`` brings the write results and rank-local values to rank 0, which
-     writes the manifest last and commits atomically; a one-integer all-reduce then tells
-     every rank whether the commit happened.
+     writes the manifest last and commits atomically; a small tensor broadcast then tells
+     every rank whether the commit happened, and if not, the error (the same on all ranks).
 Load: every rank reads the manifest and plans its own reads; ranks agree on errors once
 after validation and checksum verification (before any destination byte is written)
 and once after reading.
@@ -70,12 +70,14 @@ class SaveInfo:
 
 @dataclass
 class LoadInfo:
-    """What a load did on this rank."""
+    """What a load did on this rank. ``bytes_read``: distinct bytes of data files touched
+    (verified checksum blocks included); ``bytes_copied``: bytes landed in the destination."""
 
     path: Path
     bytes_read: int
     tensors: int
     seconds: float
+    bytes_copied: int = 0
 
 
 # ----------------------------------------------------------------------------- save
@@ -219,38 +221,36 @@ def write_prepared(prep: PreparedSave) -> list[FileResult]:
 
 
 def finish_save(prep: PreparedSave, results: list[FileResult], error: BaseException | None) -> SaveInfo:
-    """Step 3 (one gather + one small all-reduce): rank 0 writes the manifest and commits;
-    every rank learns whether the commit happened. Raises on every rank when it did not."""
+    """Step 3 (one gather + one small tensor broadcast): rank 0 writes the manifest and
+    commits; every rank learns whether the commit happened. Raises the same error on
+    every rank when it did not."""
     comm = prep.comm
     collected = comm.gather((None if error is None else describe(error, comm.rank), results,
                              prep.flat.rank_local, prep.flat.tree if prep.send_tree else None))
-    committed = True
-    commit_error: BaseException | None = error
     if error is not None and not comm.distributed:
         shutil.rmtree(prep.tmp, ignore_errors=True)
         raise error
+    status: tuple[str, str] | None = None
     if comm.rank == 0:
         assert collected is not None
         try:
             bad = [c[0] for c in collected if c[0] is not None]
             if bad:
-                commit_error = rebuild(bad[0])
-                raise commit_error
-            manifest = _build_manifest(prep.plan, collected, prep.flat.tree, prep.dlayouts, comm.world)
-            local.write_small_file(prep.tmp / MANIFEST_NAME, manifest.to_bytes())
-            local.commit(prep.tmp, prep.path)
+                status = bad[0]
+            else:
+                manifest = _build_manifest(prep.plan, collected, prep.flat.tree, prep.dlayouts, comm.world)
+                local.write_small_file(prep.tmp / MANIFEST_NAME, manifest.to_bytes())
+                local.commit(prep.tmp, prep.path)
         except BaseException as exc:
-            committed = False
-            commit_error = commit_error or exc
-            shutil.rmtree(prep.tmp, ignore_errors=True)
             if not comm.distributed:
+                shutil.rmtree(prep.tmp, ignore_errors=True)
                 raise
-    if not comm.all_ok(committed):
-        if commit_error is not None:
-            if isinstance(commit_error, CheckpointError):
-                raise commit_error
-            raise CheckpointError(f"rank {comm.rank}: save failed: {commit_error}") from commit_error
-        raise CheckpointError(f"save to {prep.path} failed on another rank (rank 0 did not commit); see its error")
+            status = describe(exc, comm.rank)
+        if status is not None:
+            shutil.rmtree(prep.tmp, ignore_errors=True)
+    status = comm.broadcast_status(status)
+    if status is not None:
+        raise rebuild(status) from error
     mine = sum(e.nbytes for e, _ in results)
     return SaveInfo(prep.path, mine, len(results), len(prep.flat.tensors), time.perf_counter() - prep.t0,
                     prep.plan_cached)
@@ -391,7 +391,8 @@ def load(
         assign()
     for obj, get in result.statefuls:
         obj.load_state_dict(get())
-    return LoadInfo(path, nbytes, len({f.key for f in result.fills}), time.perf_counter() - t0)
+    return LoadInfo(path, nbytes, len({f.key for f in result.fills}), time.perf_counter() - t0,
+                    session.copied_bytes if session is not None else 0)
 
 
 def _agree(comm: Comm, error: BaseException | None) -> None:

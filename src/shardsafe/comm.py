@@ -58,18 +58,34 @@ class Comm:
         if found:
             raise rebuild(found[0]) from error
 
-    def all_ok(self, ok: bool) -> bool:
-        """True on every rank when ``ok`` is true on every rank (one small all-reduce)."""
+    def broadcast_status(self, status: tuple[str, str] | None) -> tuple[str, str] | None:
+        """Rank 0's status (None = success, else an error description) on every rank.
+
+        A plain tensor broadcast (not an object collective): the description travels as
+        at most STATUS_BYTES of UTF-8."""
         if not self.distributed:
-            return ok
+            return status
         import torch
 
         device = "cpu"
         if dist.get_backend(self.group) == "nccl":
             device = f"cuda:{torch.cuda.current_device()}"
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
+        buf = torch.zeros(STATUS_BYTES, dtype=torch.uint8)
+        if self.rank == 0 and status is not None:
+            data = f"{status[0]}\n{status[1]}".encode()[: STATUS_BYTES - 1]
+            buf[0] = 1
+            buf[1: 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = buf.to(device)
+        dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group)
+        buf = buf.cpu()
+        if int(buf[0]) == 0:
+            return None
+        text = bytes(buf[1:].numpy()).rstrip(b"\0").decode("utf-8", "replace")
+        name, _, message = text.partition("\n")
+        return name, message
+
+
+STATUS_BYTES = 4096
 
 
 def describe(error: BaseException, rank: int) -> tuple[str, str]:

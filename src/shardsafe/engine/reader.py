@@ -96,13 +96,15 @@ def needed_blocks(op: ReadOp, block: int) -> list[int]:
     return sorted(out)
 
 
-def _hash_file_blocks(files: OpenFiles, key: str, chunk: Chunk, blocks: list[int], block: int) -> None:
-    """Hash the listed blocks straight from the page cache (through short-lived maps)."""
+def _hash_file_blocks(files: OpenFiles, key: str, chunk: Chunk, blocks: list[int], block: int) -> int:
+    """Hash the listed blocks straight from the page cache (through short-lived maps);
+    returns the number of bytes hashed."""
     fd = files.fd(chunk.file)
     if chunk.end == chunk.start:
         if chunk.checksum[0] != checksum(b""):
             raise _bad_block(files, key, chunk, chunk.start, chunk.end)
-        return
+        return 0
+    hashed = 0
     if len(chunk.checksum) != -(-(chunk.end - chunk.start) // block):
         raise CorruptCheckpointError(f"manifest: tensor '{key}' has a wrong number of block checksums")
     # Group consecutive blocks into windows of at most MAP_WINDOW bytes.
@@ -126,9 +128,11 @@ def _hash_file_blocks(files: OpenFiles, key: str, chunk: Chunk, blocks: list[int
                     bhi = min(chunk.end, blo + block)
                     if checksum(view[blo - base: bhi - base]) != chunk.checksum[b]:
                         raise _bad_block(files, key, chunk, blo, bhi)
+                    hashed += bhi - blo
             finally:
                 view.release()
         i = j + 1
+    return hashed
 
 
 def _hash_landed(files: OpenFiles, op: ReadOp, target: np.ndarray, block: int) -> None:
@@ -219,6 +223,8 @@ class ReadSession:
         self.block = block
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads)
+        self.verified_bytes = 0  # bytes hashed from files before landing (whole checksum blocks)
+        self.copied_bytes = 0  # bytes landed in destinations
         self.post_verify = [
             op for op in ops if verify and op.fill.fresh and op.whole_chunk and op.dest_range is not None
         ]
@@ -250,10 +256,12 @@ class ReadSession:
         jobs = [(key, chunk, sorted(bl)) for key, chunk, bl in pre.values()]
         groups = _split(jobs, [len(j[2]) * self.block for j in jobs], self.threads)
         for f in [self.pool.submit(_run_hash_group, self.files, g, self.block) for g in groups]:
-            f.result()
+            self.verified_bytes += f.result()
 
     def read(self) -> int:
-        """Land every op's bytes in its destination; returns bytes read from data files."""
+        """Land every op's bytes in its destination. Returns the distinct bytes of data
+        files this load touched: the blocks verified before landing (which include the
+        bytes then copied from them) plus the bytes landed without a prior check."""
         direct = [(op, _direct_target(op)) for op in self.ops if op.dest_range is not None]
         staged = [op for op in self.ops if op.dest_range is None]
         batches = _batches(direct)
@@ -269,7 +277,11 @@ class ReadSession:
             groups = _split(jobs, [op.nbytes for op, _ in jobs], self.threads)
             for f in [self.pool.submit(_run_post_verify, self.files, g, self.block) for g in groups]:
                 f.result()
-        return sum(op.nbytes for op in self.ops)
+        self.copied_bytes = sum(op.nbytes for op in self.ops)
+        if not self.verify_enabled:
+            return self.copied_bytes
+        post_ids = {id(op) for op in self.post_verify}
+        return self.verified_bytes + sum(op.nbytes for op in self.ops if id(op) in post_ids)
 
     def _read_staged(self, ops: list[ReadOp]) -> None:
         """Ops whose bytes are scattered in the destination: through one reused buffer."""
@@ -285,9 +297,8 @@ class ReadSession:
             op.fill.tensor[rel.slices()].copy_(piece)
 
 
-def _run_hash_group(files: OpenFiles, jobs: list, block: int) -> None:
-    for key, chunk, blocks in jobs:
-        _hash_file_blocks(files, key, chunk, blocks, block)
+def _run_hash_group(files: OpenFiles, jobs: list, block: int) -> int:
+    return sum(_hash_file_blocks(files, key, chunk, blocks, block) for key, chunk, blocks in jobs)
 
 
 def _run_read_group(files: OpenFiles, batches: list) -> None:

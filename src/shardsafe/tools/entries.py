@@ -53,10 +53,22 @@ def _children(node: Any) -> list[tuple[str, Any]]:
     return [(str(k), v) for k, v in items]
 
 
-def leaves(manifest: Manifest, ranks: Iterable[int] | str | None = "all") -> Iterator[Leaf]:
+def _has_refs(node: Any) -> bool:
+    if isinstance(node, list):
+        return any(_has_refs(v) for v in node)
+    if isinstance(node, dict):
+        if saved_ref(node) is not None:
+            return True
+        return any(_has_refs(v) for v in node.values())
+    return False
+
+
+def leaves(manifest: Manifest, ranks: Iterable[int] | str | None = "all", inline: int = 0) -> Iterator[Leaf]:
     """Every leaf of the manifest's tree in saved order. A rank-local value yields its
     marker leaf, then the leaves of the saving ranks listed in ``ranks`` (``"all"``:
-    every saving rank; None: none). Empty containers are value leaves."""
+    every saving rank; None: none). Empty containers are value leaves; with ``inline``,
+    so are lists and tuples of scalars, and containers of plain values whose repr fits
+    in ``inline`` characters."""
 
     def walk(node: Any, parts: tuple[str, ...], keyparts: list[str], plain: list[str],
              rank: int | None) -> Iterator[Leaf]:
@@ -74,6 +86,16 @@ def leaves(manifest: Manifest, ranks: Iterable[int] | str | None = "all") -> Ite
                     yield from walk(per_rank[r], parts + (f"#rank{r}",), [rank_local_key(ref[1], r)], plain, r)
             return
         if _is_container(node):
+            if inline and not _has_refs(node):
+                try:
+                    value = decode(node)
+                    short = len(repr(value)) <= inline or (isinstance(value, (list, tuple)) and not any(
+                        isinstance(v, (list, tuple, dict)) for v in value))
+                except Exception:  # noqa: BLE001 - a bad value is walked item by item
+                    short = False
+                if short:
+                    yield Leaf("value", parts, key, pkey, node, rank)
+                    return
             kids = _children(node)
             if not kids:
                 yield Leaf("value", parts, key, pkey, node, rank)
@@ -87,9 +109,11 @@ def leaves(manifest: Manifest, ranks: Iterable[int] | str | None = "all") -> Ite
 
 def brief(value: Any, width: int = 60) -> str:
     """A short one-line description of a plain value."""
-    if isinstance(value, (list, tuple, dict)) and not value:
+    if value is None or (isinstance(value, (list, tuple, dict)) and not value):
         return repr(value)
     text = repr(value)
     if len(text) > width:
         text = text[: width - 3] + "..."
+    if isinstance(value, (list, tuple, dict)):
+        return f"{type(value).__name__} of {len(value)} {text}"
     return f"{type(value).__name__} {text}"

@@ -87,6 +87,8 @@ class Inspection:
             shown = parent
             name = "  " * len(parent) + (row.parts[-1] if row.parts else "<root>")
             lines.append((name, _describe(row)))
+            if row.kind == "rank-local value":
+                shown = row.parts  # its per-rank copies are listed below this line
         width = min(max((len(n) for n, _ in lines), default=0), 60)
         body = [f"{n:<{width}}  {d}".rstrip() for n, d in lines]
         return "\n".join([head, *body])
@@ -110,7 +112,8 @@ def _row(leaf: Leaf, manifest: Manifest) -> Row:
     if leaf.kind == "rank_local":
         per_rank = manifest.rank_local.get(leaf.node["$rank_local"]) or []
         n = sum(1 for v in per_rank if v is not None)
-        return Row("rank-local value", leaf.parts, leaf.key, value=f"one copy per saving rank ({n} ranks)")
+        return Row("rank-local value", leaf.parts, leaf.key,
+                   value=f"one copy per saving rank ({n} rank{'s' if n != 1 else ''})")
     try:
         text = brief(leaf.decoded())
     except Exception as exc:  # noqa: BLE001 - a bad value is shown, not fatal
@@ -123,6 +126,6 @@ def inspect_checkpoint(path: PathLike, manifest: Manifest | None = None) -> Insp
     root = Path(path)
     if manifest is None:
         root, manifest = open_checkpoint(root)
-    rows = [_row(leaf, manifest) for leaf in leaves(manifest, "all")]
+    rows = [_row(leaf, manifest) for leaf in leaves(manifest, "all", inline=60)]
     files = [{"name": f.name, "bytes": f.nbytes, "rank": f.rank} for f in manifest.files]
     return Inspection(str(root), manifest.world_size, manifest.created, dict(manifest.writer), files, rows)

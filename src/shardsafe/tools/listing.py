@@ -31,7 +31,7 @@ class StepEntry:
     (a previous checkpoint left aside by an interrupted overwrite)."""
 
     name: str
-    step: int
+    step: int | None  # None: a single checkpoint folder not named step-<N>
     status: str
     size: int
     created: float | None = None
@@ -87,7 +87,7 @@ def list_checkpoints(folder: PathLike) -> list[StepEntry]:
     out: list[StepEntry] = []
     if (root / MANIFEST_NAME).is_file():
         m = _STEP.fullmatch(root.name)
-        out.append(_entry(root, int(m.group(1)) if m else -1))
+        out.append(_entry(root, int(m.group(1)) if m else None))
         return out
     for child in root.iterdir():
         if not child.is_dir():
@@ -102,11 +102,11 @@ def list_checkpoints(folder: PathLike) -> list[StepEntry]:
             problem = ("save in progress or interrupted (not committed)" if status == "incomplete"
                        else "previous checkpoint left by an interrupted overwrite")
             out.append(StepEntry(child.name, int(h.group(2)), status, _dir_size(child), problem=problem))
-    out.sort(key=lambda e: (e.step, e.name.startswith("."), e.name))
+    out.sort(key=lambda e: (e.step or 0, e.name.startswith("."), e.name))
     return out
 
 
-def _entry(path: Path, step: int) -> StepEntry:
+def _entry(path: Path, step: int | None) -> StepEntry:
     manifest, problem = check_step(path)
     return StepEntry(
         path.name, step, "valid" if problem is None else "invalid", _dir_size(path),
@@ -122,7 +122,7 @@ def format_listing(entries: list[StepEntry], folder: PathLike) -> str:
     for e in entries:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created)) if e.created else "-"
         name = e.name + (f"  ({e.problem})" if e.problem and e.status != "valid" else "")
-        rows.append((str(e.step), e.status, human_bytes(e.size), created,
+        rows.append((str(e.step) if e.step is not None else "-", e.status, human_bytes(e.size), created,
                      str(e.world_size) if e.world_size is not None else "-", name))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]

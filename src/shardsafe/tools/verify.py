@@ -77,9 +77,9 @@ class VerifyReport:
 
     def to_text(self) -> str:
         """One line per problem, then a summary."""
-        rate = human_bytes(self.bytes_checked / self.seconds) + "/s" if self.seconds > 0 else ""
+        rate = f" ({human_bytes(self.bytes_checked / self.seconds)}/s)" if self.seconds > 0 else ""
         summary = (f"{self.path}: {self.files} files, {self.chunks} chunks, {human_bytes(self.bytes_checked)} "
-                   f"checked in {self.seconds:.2f} s {rate}")
+                   f"checked in {self.seconds:.2f} s{rate}")
         if self.ok:
             return summary + ": OK"
         lines = [f"BAD  {p}" for p in self.problems]
@@ -107,6 +107,9 @@ def _geometry(manifest: Manifest, block: int) -> list[Problem]:
         covered = 0
         for c in entry.chunks:
             name = manifest.files[c.file].name if 0 <= c.file < len(manifest.files) else f"file #{c.file}"
+            if not 0 <= c.file < len(manifest.files):
+                problems.append(Problem("chunk refers to a data file the manifest does not list", name, key,
+                                        c.start, c.end))
             n = prod(c.lengths)
             covered += n
             if len(c.offsets) != len(entry.shape) or any(o + ln > s for o, ln, s in
