@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -96,42 +97,65 @@ def needed_blocks(op: ReadOp, block: int) -> list[int]:
     return sorted(out)
 
 
-def _hash_file_blocks(files: OpenFiles, key: str, chunk: Chunk, blocks: list[int], block: int) -> int:
-    """Hash the listed blocks straight from the page cache (through short-lived maps);
-    returns the number of bytes hashed."""
-    fd = files.fd(chunk.file)
+@dataclass(frozen=True)
+class BlockCheck:
+    """One checksum block to verify: bytes [lo, hi) of file ``file`` must hash to ``expected``."""
+
+    file: int
+    lo: int
+    hi: int
+    expected: str
+    key: str
+    chunk: Chunk
+
+
+def block_checks(key: str, chunk: Chunk, blocks: list[int], block: int) -> list[BlockCheck]:
+    """The checks for the given block indices of ``chunk``."""
     if chunk.end == chunk.start:
-        if chunk.checksum[0] != checksum(b""):
-            raise _bad_block(files, key, chunk, chunk.start, chunk.end)
-        return 0
-    hashed = 0
+        return [BlockCheck(chunk.file, chunk.start, chunk.end, chunk.checksum[0], key, chunk)]
     if len(chunk.checksum) != -(-(chunk.end - chunk.start) // block):
         raise CorruptCheckpointError(f"manifest: tensor '{key}' has a wrong number of block checksums")
-    # Group consecutive blocks into windows of at most MAP_WINDOW bytes.
-    i = 0
-    while i < len(blocks):
-        j = i
-        while (
-            j + 1 < len(blocks)
-            and blocks[j + 1] == blocks[j] + 1
-            and (blocks[j + 1] - blocks[i] + 1) * block <= MAP_WINDOW
-        ):
-            j += 1
-        lo = chunk.start + blocks[i] * block
-        hi = min(chunk.end, chunk.start + (blocks[j] + 1) * block)
-        base = lo - lo % mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(fd, hi - base, prot=mmap.PROT_READ, offset=base) as mm:
-            view = memoryview(mm)
-            try:
-                for b in range(blocks[i], blocks[j] + 1):
-                    blo = chunk.start + b * block
-                    bhi = min(chunk.end, blo + block)
-                    if checksum(view[blo - base: bhi - base]) != chunk.checksum[b]:
-                        raise _bad_block(files, key, chunk, blo, bhi)
-                    hashed += bhi - blo
-            finally:
-                view.release()
-        i = j + 1
+    out = []
+    for b in blocks:
+        lo = chunk.start + b * block
+        out.append(BlockCheck(chunk.file, lo, min(chunk.end, lo + block), chunk.checksum[b], key, chunk))
+    return out
+
+
+def windows(checks: list[BlockCheck]) -> list[list[BlockCheck]]:
+    """Group checks (sorted by file and offset) into windows mapped at once: same file, at
+    most MAP_WINDOW bytes from first to last byte, gaps under 1 MiB."""
+    out: list[list[BlockCheck]] = []
+    for c in checks:
+        if out:
+            first, last = out[-1][0], out[-1][-1]
+            if c.file == first.file and c.hi - first.lo <= MAP_WINDOW and c.lo - last.hi < (1 << 20):
+                out[-1].append(c)
+                continue
+        out.append([c])
+    return out
+
+
+def _hash_window(files: OpenFiles, window: list[BlockCheck]) -> int:
+    """Hash one window's blocks straight from the page cache through one short-lived map;
+    returns the bytes hashed."""
+    lo, hi = window[0].lo, max(c.hi for c in window)
+    if hi == lo:
+        for c in window:
+            if checksum(b"") != c.expected:
+                raise _bad_block(files, c.key, c.chunk, c.lo, c.hi)
+        return 0
+    base = lo - lo % mmap.ALLOCATIONGRANULARITY
+    hashed = 0
+    with mmap.mmap(files.fd(window[0].file), hi - base, prot=mmap.PROT_READ, offset=base) as mm:
+        view = memoryview(mm)
+        try:
+            for c in window:
+                if checksum(view[c.lo - base: c.hi - base]) != c.expected:
+                    raise _bad_block(files, c.key, c.chunk, c.lo, c.hi)
+                hashed += c.hi - c.lo
+        finally:
+            view.release()
     return hashed
 
 
@@ -253,9 +277,11 @@ class ReadSession:
                 continue
             entry = pre.setdefault((op.chunk.file, op.chunk.start), (op.fill.key, op.chunk, set()))
             entry[2].update(needed_blocks(op, self.block))
-        jobs = [(key, chunk, sorted(bl)) for key, chunk, bl in pre.values()]
-        groups = _split(jobs, [len(j[2]) * self.block for j in jobs], self.threads)
-        for f in [self.pool.submit(_run_hash_group, self.files, g, self.block) for g in groups]:
+        checks = [c for key, chunk, bl in pre.values() for c in block_checks(key, chunk, sorted(bl), self.block)]
+        checks.sort(key=lambda c: (c.file, c.lo))
+        groups = windows(checks)
+        parts = _split(groups, [w[-1].hi - w[0].lo + 4096 for w in groups], self.threads)
+        for f in [self.pool.submit(_run_hash_windows, self.files, g) for g in parts]:
             self.verified_bytes += f.result()
 
     def read(self) -> int:
@@ -297,8 +323,8 @@ class ReadSession:
             op.fill.tensor[rel.slices()].copy_(piece)
 
 
-def _run_hash_group(files: OpenFiles, jobs: list, block: int) -> int:
-    return sum(_hash_file_blocks(files, key, chunk, blocks, block) for key, chunk, blocks in jobs)
+def _run_hash_windows(files: OpenFiles, group: list[list[BlockCheck]]) -> int:
+    return sum(_hash_window(files, w) for w in group)
 
 
 def _run_read_group(files: OpenFiles, batches: list) -> None:

@@ -13,6 +13,7 @@ from math import prod
 from typing import Any
 
 from ..errors import CorruptCheckpointError, FormatVersionError
+from ..gcpause import gc_paused
 from .checksum import ALGORITHM, checksum
 
 MANIFEST_NAME = "manifest.json"
@@ -130,6 +131,11 @@ class Manifest:
     @staticmethod
     def from_bytes(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         """Parse and verify a manifest; errors name ``where``."""
+        with gc_paused():
+            return Manifest._from_bytes(data, where)
+
+    @staticmethod
+    def _from_bytes(data: bytes, where: str) -> Manifest:
         cut = data.rfind(_TRAILER)
         if cut < 0:
             raise CorruptCheckpointError(f"{where}: manifest has no integrity trailer (truncated or not ours)")

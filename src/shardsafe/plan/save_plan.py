@@ -22,6 +22,7 @@ from math import ceil, prod
 import torch
 
 from ..errors import CheckpointError
+from ..gcpause import gc_paused
 from ..layout import Box, split_rows
 
 SPLIT_FRACTION = 8  # replicated tensors above mean/SPLIT_FRACTION bytes are split into rows
@@ -101,6 +102,12 @@ def layout_digest(layouts: list[list[tuple]]) -> str:
 
 
 def plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None = None) -> GlobalPlan:
+    """See :func:`_plan_global` (run with the cyclic GC paused)."""
+    with gc_paused():
+        return _plan_global(layouts, signatures)
+
+
+def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None = None) -> GlobalPlan:
     """The deterministic global write plan for the gathered per-rank layouts.
 
     Ranks with identical layouts (the usual SPMD case for replicated state) are planned

@@ -24,7 +24,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ import torch
 from ..format.manifest import Manifest
 from ..format.values import decode
 from ..state.tree import join_key, rank_local_key, saved_items, saved_ref
+from ..storage.local import write_small_file
 from .common import PathLike, UsageError, human_bytes, matches, parse_size, prepare_output, publish, remove, temp_path
 from .progress import Progress
 from .reading import TensorReader, open_checkpoint
@@ -237,8 +240,8 @@ def export_checkpoint(
         raise UsageError(f"nothing to export from {root}: no tensors selected")
     slots = [Slot(s.key, _strip(s.name, strip), s.dtype, s.shape) for s in sel.slots]
     if to != "torch" or flat:
-        names = [s.name for s in slots]
-        dup = next((n for n in names if names.count(n) > 1), None)
+        seen: set[str] = set()
+        dup = next((s.name for s in slots if s.name in seen or seen.add(s.name)), None)
         if dup is not None:
             raise UsageError(f"two tensors would be exported as {dup!r}; choose --keys/--strip so names differ")
     if to != "torch":
@@ -254,27 +257,26 @@ def export_checkpoint(
             else:
                 tree = {} if skeleton is _DROP else _descend(_renamed(skeleton, by_key), strip)
             report.values = len(sel.values)
-            writer = TorchSaveWriter(tmp, tree)
-            groups = [(writer, slots)]
+            skeleton_writer = TorchSaveWriter(tmp, tree)
+            groups: list[tuple[Callable[[], Any], list[Slot]]] = [(lambda: skeleton_writer, slots)]
             report.files = [out.name]
         elif to == "safetensors":
-            groups = [(SafetensorsWriter(tmp, slots), slots)]
+            groups = [(partial(SafetensorsWriter, tmp, slots), slots)]
             report.files = [out.name]
         else:
             tmp.mkdir()
             shards = plan_shards(slots, max_bytes)
             names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-            groups = []
-            for name, shard in zip(names, shards):
-                groups.append((SafetensorsWriter(tmp / name, shard), shard))
+            groups = [(partial(SafetensorsWriter, tmp / name, shard), shard) for name, shard in zip(names, shards)]
+            weight_map = {s.name: name for name, shard in zip(names, shards) for s in shard}
             index = {"metadata": {"total_size": sum(s.nbytes for s in slots)},
-                     "weight_map": {s.name: name for name, shard in zip(names, shards) for s in shard}}
-            index["weight_map"] = dict(sorted(index["weight_map"].items()))
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+                     "weight_map": dict(sorted(weight_map.items()))}
+            write_small_file(tmp / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
             report.files = [*names, INDEX_NAME]
         total = sum(s.nbytes for s in slots)
         with Progress("export", total, enabled=progress) as bar:
-            for writer, group in groups:
+            for open_writer, group in groups:
+                writer = open_writer()  # one output file open at a time
                 try:
                     for s in group:
                         t = reader.read(s.key)
