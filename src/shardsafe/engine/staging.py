@@ -132,39 +132,51 @@ class StagedWriter:
         self.full: queue.Queue[_Slot | None] = queue.Queue()
         self.hashers = [BlockHasher(s, e, spec.block) for s, e in spec.ranges]
         self.error: BaseException | None = None
+        self.go = threading.Event()  # the writer may start
+        if sum(v.numel() for v in self.slot_views) < total:
+            self.go.set()  # the state streams through the pool: write while staging
         self.fd = os.open(spec.path / spec.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self.thread = threading.Thread(target=self._drain, name="shardsafe-writer", daemon=True)
         self.thread.start()
 
     # -- caller side ------------------------------------------------------------------
     def stage(self) -> None:
-        """Copy every chunk's bytes into slots in file order; returns when all are staged."""
-        slot_i = self._take()
+        """Copy every chunk's bytes into slots in file order; returns when all are staged.
+
+        When the pool holds the whole file, the writer starts only after staging, so the
+        two do not compete for memory bandwidth and cores while the caller waits."""
+        slot_i: int | None = None
         pos = 0
         file_pos = self.spec.ranges[0][0] if self.spec.ranges else len(self.spec.header)
         slot_start = file_pos
-        for item, (start, _end) in zip(self.spec.items, self.spec.ranges):
-            assert start == file_pos
-            for piece in self._pieces(item, len(self.slot_views[0])):
-                done = 0
-                n = piece.numel()
-                while done < n:
-                    slot = self.slot_views[slot_i]
-                    take = min(n - done, slot.numel() - pos)
-                    slot[pos: pos + take].copy_(piece[done: done + take], non_blocking=self.cuda)
-                    pos += take
-                    done += take
-                    file_pos += take
-                    if pos == slot.numel():
-                        self._submit(slot_i, slot_start, pos)
-                        slot_i, pos, slot_start = self._take(), 0, file_pos
-        if pos:
-            self._submit(slot_i, slot_start, pos)
-        else:
-            self.free.put(slot_i)
-        if self.cuda:
-            torch.cuda.current_stream().synchronize()
-        self.full.put(None)
+        try:
+            for item, (start, _end) in zip(self.spec.items, self.spec.ranges):
+                assert start == file_pos
+                for piece in self._pieces(item, len(self.slot_views[0])):
+                    done = 0
+                    n = piece.numel()
+                    while done < n:
+                        if slot_i is None:
+                            slot_i, pos, slot_start = self._take(), 0, file_pos
+                        slot = self.slot_views[slot_i]
+                        take = min(n - done, slot.numel() - pos)
+                        slot[pos: pos + take].copy_(piece[done: done + take], non_blocking=self.cuda)
+                        pos += take
+                        done += take
+                        file_pos += take
+                        if pos == slot.numel():
+                            self._submit(slot_i, slot_start, pos)
+                            slot_i = None
+            if slot_i is not None:
+                if pos:
+                    self._submit(slot_i, slot_start, pos)
+                else:
+                    self.free.put(slot_i)
+            if self.cuda:
+                torch.cuda.current_stream().synchronize()
+        finally:
+            self.full.put(None)
+            self.go.set()
 
     def _pieces(self, item: WriteItem, limit: int):
         """Contiguous uint8 views of an item's bytes in row-major order, each of at most
@@ -205,6 +217,7 @@ class StagedWriter:
     # -- writer side ------------------------------------------------------------------
     def _drain(self) -> None:
         try:
+            self.go.wait()
             write_all(self.fd, memoryview(self.spec.header), 0)
             chunk = 0
             while True:
