@@ -16,6 +16,7 @@ mismatches). Rules (docs/format.md, "Loading"):
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,8 +128,14 @@ class Matcher:
         return self.rank_local_tree(key)
 
     # -- matching -----------------------------------------------------------------
-    def match(self, dest: Any, saved: Any, parts: list[str], top: bool = False) -> Any:
-        """Return the value that should stand at this position after the load."""
+    def match(self, dest: Any, saved: Any, parts: list[str], top: bool = False, private: bool = False) -> Any:
+        """Return the value that should stand at this position after the load.
+
+        Outside Statefuls the caller's own dicts and lists are updated in place (after the
+        data is read). Inside a Stateful's ``state_dict()`` tree (``private``) containers
+        are rebuilt instead: such trees often alias live attributes (a scheduler's
+        ``_last_lr`` list is shared with its sub-scheduler), which in-place writes would
+        corrupt; only tensors are filled in place there."""
         path = join_key(parts) or "<root>"
         if self.exclude and parts and any(path == e or path.startswith(e + ".") for e in self.exclude):
             return dest
@@ -142,7 +149,7 @@ class Matcher:
                 return dest
             ref = saved_ref(saved)
         if isinstance(dest, RankLocal):
-            new = self.match(dest.value, saved, parts)
+            new = self.match(dest.value, saved, parts, private=private)
             if new is not dest.value:
                 self.result.assigns.append(_attr_setter(dest, new))
             return dest
@@ -156,8 +163,7 @@ class Matcher:
             return dest
         if is_stateful(dest):
             sub = dest.state_dict()
-            holder = [sub]
-            holder[0] = self.match(sub, saved, parts)
+            holder = [self.match(sub, saved, parts, private=True)]
             self.result.statefuls.append((dest, lambda: holder[0]))
             return dest
         if isinstance(dest, dict):
@@ -168,6 +174,7 @@ class Matcher:
                 )
                 return dest
             saved_map = dict(items)
+            target = copy.copy(dest) if private else dest  # keeps the type and e.g. _metadata
             for k, v in list(dest.items()):
                 if k not in saved_map:
                     if self.strict:
@@ -175,26 +182,35 @@ class Matcher:
                             MissingKeysError(f"key '{join_key(parts + [str(k)])}' is not in the checkpoint")
                         )
                     continue
-                new = self.match(v, saved_map[k], parts + [str(k)])
+                new = self.match(v, saved_map[k], parts + [str(k)], private=private)
                 if new is not v:
-                    self.result.assigns.append(_setter(dest, k, new))
+                    if private:
+                        target[k] = new
+                    else:
+                        self.result.assigns.append(_setter(dest, k, new))
             if not top:
                 for k, v in items:
                     if k not in dest:
-                        self._assign_fresh(dest, k, v, parts + [str(k)])
-            return dest
+                        fresh = self._fresh_or_error(v, join_key(parts + [str(k)]))
+                        if private:
+                            target[k] = fresh
+                        else:
+                            self.result.assigns.append(_setter(dest, k, fresh))
+            return target
         if isinstance(dest, (list, tuple)):
             kind = list if isinstance(dest, list) else tuple
             seq = saved_sequence(saved, kind)
             if seq is None or len(seq) != len(dest):
                 return self._fresh_or_error(saved, path)
-            new_items = [self.match(d, s, parts + [str(i)]) for i, (d, s) in enumerate(zip(dest, seq))]
-            if kind is list:
-                for i, (old, new) in enumerate(zip(dest, new_items)):
-                    if new is not old:
-                        self.result.assigns.append(_setter(dest, i, new))
-                return dest
-            return tuple(new_items)
+            new_items = [self.match(d, s, parts + [str(i)], private=private) for i, (d, s) in enumerate(zip(dest, seq))]
+            if kind is tuple:
+                return tuple(new_items)
+            if private:
+                return new_items
+            for i, (old, new) in enumerate(zip(dest, new_items)):
+                if new is not old:
+                    self.result.assigns.append(_setter(dest, i, new))
+            return dest
         return self._fresh_or_error(saved, path)
 
     def _fresh_or_error(self, saved: Any, path: str) -> Any:
@@ -203,10 +219,6 @@ class Matcher:
         except CheckpointError as exc:
             self.result.errors.append(type(exc)(f"key '{path}': {exc}"))
             return None
-
-    def _assign_fresh(self, container: dict, k: Any, saved: Any, parts: list[str]) -> None:
-        new = self._fresh_or_error(saved, join_key(parts))
-        self.result.assigns.append(_setter(container, k, new))
 
     def _match_tensor(self, dest: torch.Tensor, key: str, path: str) -> None:
         entry = self.manifest.tensors.get(key)
