@@ -68,6 +68,7 @@ class AsyncSaver:
         self._groups: dict[Any, Any] = {}
         self._lock = threading.Lock()
 
+
     def _comm(self, process_group: Any) -> Comm:
         base = resolve(process_group)
         if not base.distributed:
@@ -118,6 +119,8 @@ class AsyncSaver:
         future._staged.set()
         thread = threading.Thread(target=_finish, args=(prep, writer, stage_error, future), name="shardsafe-commit",
                                   daemon=True)
+        with _PENDING_LOCK:
+            _PENDING.add(future)
         thread.start()
         self.pending = future
         if stage_error is not None and not comm.distributed:
@@ -138,8 +141,13 @@ def _finish(prep: PreparedSave, writer: StagedWriter | None, error: BaseExceptio
         future._future.set_result(finish_save(prep, results, error))
     except BaseException as exc:  # noqa: BLE001
         future._future.set_exception(exc)
+    finally:
+        with _PENDING_LOCK:
+            _PENDING.discard(future)
 
 
+_PENDING: set[SaveFuture] = set()  # saves in flight, whoever started them (kept alive until done)
+_PENDING_LOCK = threading.Lock()
 _DEFAULT = AsyncSaver()
 
 
@@ -169,10 +177,11 @@ def wait_for_pending() -> SaveInfo | None:
 
 @atexit.register
 def _drain_at_exit() -> None:
-    pending = _DEFAULT.pending
-    if pending is None or pending.done():
-        return
-    try:
-        pending.result()
-    except BaseException as exc:  # noqa: BLE001 - at exit, report instead of raising
-        warnings.warn(f"shardsafe: the pending async save to {pending.path} failed: {exc}", stacklevel=1)
+    """Interpreter exit waits for every pending save (managers own savers too)."""
+    with _PENDING_LOCK:
+        pendings = list(_PENDING)
+    for pending in pendings:
+        try:
+            pending.result()
+        except BaseException as exc:  # noqa: BLE001 - at exit, report instead of raising
+            warnings.warn(f"shardsafe: the pending async save to {pending.path} failed: {exc}", stacklevel=1)

@@ -57,6 +57,7 @@ class CheckpointConfig:
     _ALIASES = {"keep_latest_k": "keep_last", "enable_checkpoint": "enable"}
 
     def __post_init__(self) -> None:
+        self.async_mode = {"async_with_pinned_mem": "async_pinned"}.get(self.async_mode, self.async_mode)
         if self.async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode must be one of {ASYNC_MODES}, not {self.async_mode!r}")
         if self.interval <= 0:
@@ -223,15 +224,23 @@ class CheckpointManager:
         out = Path(path) if path is not None else self.folder / "final"
         comm = resolve(self.process_group)
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dtype is None and self.config.export_dtype != "float32":
+            dtype = self.config.export_dtype
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         if comm.rank == 0:
             tensors = {}
+            seen: set[int] = set()
             for k, v in sd.items():
                 v = v.detach()
                 if dtype is not None and v.is_floating_point():
                     v = v.to(dtype)
-                tensors[k] = v.contiguous()
+                v = v.contiguous()
+                ptr = v.untyped_storage().data_ptr()
+                if v.numel() and ptr in seen:
+                    v = v.clone()  # tied weights: safetensors files hold no shared memory
+                seen.add(ptr)
+                tensors[k] = v
             out.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "producer": "shardsafe"})
         if comm.distributed:

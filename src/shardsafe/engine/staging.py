@@ -41,16 +41,16 @@ class StagingPool:
         self.allocations = 0
 
     def slots(self, capacity: int, pin: bool) -> list[torch.Tensor]:
-        """At least two slots whose total is about ``capacity`` bytes (reusing memory when it fits)."""
+        """Slots covering exactly ``capacity`` bytes (at least two when it allows; the last
+        may be shorter), views of one buffer that is reused while it is large enough."""
         capacity = max(capacity, 2)
         if self.buffer is None or self.buffer.numel() < capacity or (pin and not self.pinned):
             self.buffer = None
             self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
             self.pinned = pin
             self.allocations += 1
-        size = max(1, min(DEFAULT_SLOT, capacity // 2))
-        count = max(2, capacity // size)
-        return [self.buffer[i * size: (i + 1) * size] for i in range(count) if (i + 1) * size <= self.buffer.numel()]
+        size = min(DEFAULT_SLOT, -(-capacity // 2))
+        return [self.buffer[i: min(i + size, capacity)] for i in range(0, capacity, size)]
 
 
 class BlockHasher:
@@ -152,7 +152,7 @@ class StagedWriter:
         try:
             for item, (start, _end) in zip(self.spec.items, self.spec.ranges):
                 assert start == file_pos
-                for piece in self._pieces(item, len(self.slot_views[0])):
+                for piece in self._pieces(item, min(len(v) for v in self.slot_views)):
                     done = 0
                     n = piece.numel()
                     while done < n:
