@@ -25,7 +25,7 @@ from ..storage.local import read_into
 from .buffers import byte_view
 
 IOV_MAX = 1024
-MAP_WINDOW = 64 << 20
+MAP_WINDOW = 16 << 20  # mapped file pages count in RSS: keep two threads' windows small
 
 
 class OpenFiles:
@@ -240,7 +240,9 @@ class ReadSession:
     :meth:`read` lands all bytes (verifying loader-owned memory after it lands)."""
 
     def __init__(self, root: Path, manifest: Manifest, ops: list[ReadOp], *, verify: bool, block: int,
-                 threads: int = 2) -> None:
+                 threads: int | None = None) -> None:
+        if threads is None:
+            threads = max(2, min(8, os.cpu_count() or 2))
         self.files = OpenFiles(root, manifest)
         self.ops = ops
         self.verify_enabled = verify

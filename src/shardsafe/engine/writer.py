@@ -51,7 +51,7 @@ def write_data_file(
     ]
     header, ranges = build_header(entries)
     header_sum: Future = pool.submit(checksum, header)
-    sums: list[Future] = [pool.submit(block_checksums, v, block) for v in views]
+    sums: Future = pool.submit(lambda: [block_checksums(v, block) for v in views])
     path = directory / plan.name
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -63,7 +63,7 @@ def write_data_file(
         os.close(fd)
     total = ranges[-1][1] if ranges else len(header)
     entry = FileEntry(plan.name, total, plan.rank, len(header), header_sum.result())
-    written = [WrittenChunk(it, s, e, f.result()) for it, (s, e), f in zip(plan.items, ranges, sums)]
+    written = [WrittenChunk(it, s, e, c) for it, (s, e), c in zip(plan.items, ranges, sums.result())]
     return entry, written
 
 

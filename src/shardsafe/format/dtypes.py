@@ -56,4 +56,5 @@ def torch_dtype(name: str) -> torch.dtype | None:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element of ``dtype``."""
+    return dtype.itemsize

@@ -33,7 +33,7 @@ class Chunk:
     file: int  # index into Manifest.files
     start: int  # absolute byte range in the file
     end: int
-    checksum: str
+    checksum: list[str]  # XXH3-64 of each checksum block of the byte range
     rank: int  # the saving rank that wrote it
 
     def to_json(self) -> dict[str, Any]:
