@@ -21,6 +21,10 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/bench_single.py
+	$(PY) benchmarks/bench_distributed.py
+	$(PY) benchmarks/bench_planning.py
+	$(PY) benchmarks/bench_async.py
+	$(PY) benchmarks/bench_export.py
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks examples
