@@ -10,6 +10,7 @@ shards follow torch's rules exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -70,12 +71,39 @@ def dim_indices(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coor
     return [list(range(n)) if i is None else i for n, i in zip(global_shape, idx)]
 
 
-def pieces_for(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: list[int],
-               placements: tuple[Any, ...]) -> list[Piece]:
-    """The boxes a mesh coordinate holds, each with where it sits in the local tensor."""
-    per_dim = [_runs(ix) for ix in dim_indices(global_shape, mesh_shape, coord, placements)]
+def _plain_shard_box(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: list[int],
+                     placements: tuple[Any, ...]) -> Box | None:
+    """Closed form for placements that are all exactly ``Shard`` or ``Replicate``: torch.chunk
+    rule (chunk = ceil(len / n)) applied left to right over the mesh dims. None otherwise."""
+    offsets = [0] * len(global_shape)
+    lengths = list(global_shape)
+    for mesh_dim, p in enumerate(placements):
+        if type(p) is Replicate:
+            continue
+        if type(p) is not Shard:
+            return None
+        d = p.dim if p.dim >= 0 else p.dim + len(global_shape)
+        n = mesh_shape[mesh_dim]
+        chunk = -(-lengths[d] // n) if lengths[d] else 0
+        start = min(coord[mesh_dim] * chunk, lengths[d])
+        length = min(start + chunk, lengths[d]) - start
+        offsets[d] += start
+        lengths[d] = length
+    return Box(tuple(offsets), tuple(lengths))
+
+
+@lru_cache(maxsize=4096)
+def _pieces_cached(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...],
+                   placements: tuple[Any, ...]) -> tuple[Piece, ...]:
+    if any(n == 0 for n in global_shape):
+        # Nothing to store: every rank "holds" the empty whole, so the planner sees it covered.
+        return (Piece(tuple(slice(0, n) for n in global_shape), Box.whole(global_shape)),)
+    box = _plain_shard_box(global_shape, mesh_shape, list(coord), placements)
+    if box is not None:
+        return () if box.is_empty() else (Piece(tuple(slice(0, n) for n in box.lengths), box),)
+    per_dim = [_runs(ix) for ix in dim_indices(global_shape, mesh_shape, list(coord), placements)]
     if any(len(r) == 0 for r in per_dim):
-        return []  # an empty local shard holds nothing
+        return ()  # an empty local shard holds nothing
     pieces: list[Piece] = [Piece((), Box((), ()))]
     for runs in per_dim:
         pieces = [
@@ -83,7 +111,18 @@ def pieces_for(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord
             for p in pieces
             for ls, gs, n in runs
         ]
-    return pieces
+    return tuple(pieces)
+
+
+def pieces_for(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: list[int],
+               placements: tuple[Any, ...]) -> list[Piece]:
+    """The boxes a mesh coordinate holds, each with where it sits in the local tensor
+    (cached: a parameter and its optimizer states share the geometry)."""
+    try:
+        return list(_pieces_cached(tuple(global_shape), tuple(mesh_shape), tuple(coord), tuple(placements)))
+    except TypeError:  # unhashable placement: compute without the cache
+        return list(_pieces_cached.__wrapped__(tuple(global_shape), tuple(mesh_shape), tuple(coord),
+                                               tuple(placements)))
 
 
 def dtensor_pieces(t: Any) -> list[Piece]:

@@ -29,7 +29,10 @@ class Stateful(Protocol):
 
 
 def is_stateful(obj: Any) -> bool:
-    return not isinstance(obj, (dict, list, tuple, torch.Tensor)) and isinstance(obj, Stateful)
+    """True for objects with callable ``state_dict`` and ``load_state_dict`` (not containers or tensors)."""
+    if isinstance(obj, (dict, list, tuple, str, bytes, int, float, torch.Tensor)) or obj is None:
+        return False
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 class RankLocal:

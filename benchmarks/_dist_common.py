@@ -1,0 +1,418 @@
+"""Helpers for the distributed and planning benchmarks: a pool of spawned gloo worker
+processes, durable raw writes, per-process I/O and RSS counters, statistics, tables.
+
+The worker pool follows tests/distributed.py: ``world`` spawned processes join one gloo
+group (file:// rendezvous) and then run case functions, named "module:function", on
+every rank until the pool is closed. Workers are daemonic and the pool kills them on
+error or timeout, so no process outlives the benchmark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+IOV_MAX = 1024
+MAX_RW = 0x7FFFF000  # Linux: the most one read/write call transfers
+
+
+# --------------------------------------------------------------------------- worker pool
+
+
+def _worker_main(rank: int, world: int, init_file: str, tasks: Any, results: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            case_id, ref, args = task
+            module_name, func_name = ref.split(":")
+            try:
+                fn = getattr(importlib.import_module(module_name), func_name)
+                results.put((rank, case_id, True, fn(rank, world, *args)))
+            except BaseException:  # noqa: BLE001 - report everything to the parent
+                results.put((rank, case_id, False, traceback.format_exc()))
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _ref(fn: Callable) -> str:
+    module = fn.__module__
+    if module in ("__main__", "__mp_main__"):
+        module = Path(sys.modules[module].__file__).stem  # type: ignore[arg-type]
+    return f"{module}:{fn.__name__}"
+
+
+class WorkerPool:
+    """``world`` spawned processes in one gloo group, running case functions on demand."""
+
+    def __init__(self, world: int, start_timeout: float = 180.0) -> None:
+        self.world = world
+        self.alive = False
+        self._ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="shardsafe-bench-pg-")
+        self._tasks = [self._ctx.Queue() for _ in range(world)]
+        self._results = self._ctx.Queue()
+        init_file = os.path.join(self._dir, "init")
+        self._procs = [
+            self._ctx.Process(target=_worker_main, args=(r, world, init_file, self._tasks[r], self._results),
+                              daemon=True)
+            for r in range(world)
+        ]
+        self._next = 0
+        self.alive = True
+        try:
+            for p in self._procs:
+                p.start()
+            self.run(_ping, timeout=start_timeout)
+        except BaseException:
+            self.close(force=True)
+            raise
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 600.0) -> list[Any]:
+        """``fn(rank, world, *args)`` on every rank; the per-rank return values."""
+        if not self.alive:
+            raise RuntimeError("worker pool is closed")
+        ref = _ref(fn)
+        case_id = self._next
+        self._next += 1
+        for q in self._tasks:
+            q.put((case_id, ref, args))
+        values: list[Any] = [None] * self.world
+        failures: list[str] = []
+        got = 0
+        deadline = time.monotonic() + timeout
+        while got < self.world:
+            try:
+                rank, cid, ok, value = self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close(force=True)
+                    why = f"ranks {dead} died" if dead else f"timed out after {timeout:.0f}s"
+                    raise RuntimeError(f"case {ref}: {why} ({got}/{self.world} ranks done)") from None
+                continue
+            if cid != case_id:
+                continue
+            got += 1
+            if ok:
+                values[rank] = value
+            else:
+                failures.append(f"--- rank {rank} ---\n{value}")
+        if failures:
+            self.close(force=True)
+            raise RuntimeError(f"case {ref} failed:\n" + "\n".join(sorted(failures)))
+        return values
+
+    def close(self, force: bool = False) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        if not force:
+            for q in self._tasks:
+                with contextlib.suppress(Exception):
+                    q.put(None)
+            for p in self._procs:
+                with contextlib.suppress(Exception):
+                    p.join(timeout=30)
+        for p in self._procs:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+            with contextlib.suppress(Exception):
+                p.join(timeout=10)
+        for q in [*self._tasks, self._results]:
+            q.cancel_join_thread()
+            q.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(force=exc[0] is not None)
+
+
+def _ping(rank: int, world: int) -> int:
+    return os.getpid()
+
+
+@contextlib.contextmanager
+def work_dir(base: str | None, prefix: str) -> Iterator[Path]:
+    """A temporary directory (under ``base`` or /tmp), removed at the end even on failure,
+    Ctrl-C or SIGTERM."""
+    if base is not None:
+        Path(base).mkdir(parents=True, exist_ok=True)
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+    def _term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, _term)
+    try:
+        yield d
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- raw I/O
+
+
+def _batches(views: Sequence[memoryview]) -> Iterator[list[memoryview]]:
+    batch: list[memoryview] = []
+    size = 0
+    for v in views:
+        if not v.nbytes:
+            continue
+        if batch and (len(batch) == IOV_MAX or size + v.nbytes > MAX_RW):
+            yield batch
+            batch, size = [], 0
+        batch.append(v)
+        size += v.nbytes
+    if batch:
+        yield batch
+
+
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    out = []
+    for b in bufs:
+        if n >= b.nbytes:
+            n -= b.nbytes
+            continue
+        out.append(b[n:] if n else b)
+        n = 0
+    return out
+
+
+def write_durable(path: Path, views: Sequence[Any]) -> int:
+    """Write the buffers back to back into a new file with ``pwritev`` and fsync it (the
+    raw baseline: no header, no checksums, no directory fsync). Returns bytes written."""
+    split: list[memoryview] = []
+    for x in views:  # a single buffer above MAX_RW is cut
+        v = memoryview(x).cast("B")
+        split.extend(v[i: i + MAX_RW] for i in range(0, v.nbytes, MAX_RW))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    pos = 0
+    try:
+        for batch in _batches(split):
+            while batch:
+                n = os.pwritev(fd, batch, pos)
+                if n <= 0:
+                    raise OSError("pwritev wrote nothing")
+                pos += n
+                batch = _advance(batch, n)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return pos
+
+
+def read_files(paths: Sequence[Path]) -> int:
+    """Read files once (to warm the page cache); bytes read."""
+    total = 0
+    buf = bytearray(16 << 20)
+    for p in paths:
+        with open(p, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                total += n
+    return total
+
+
+def files_under(paths: Sequence[Path]) -> list[Path]:
+    out: list[Path] = []
+    for p in paths:
+        p = Path(p)
+        out.extend(sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p])
+    return out
+
+
+# --------------------------------------------------------------------------- counters
+
+
+def proc_io() -> dict[str, int]:
+    """This process's /proc/self/io counters (rchar: bytes passed through read-type
+    syscalls of all its threads, page-cache hits included; mmap'd reads are not counted)."""
+    out: dict[str, int] = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            k, v = line.split(":")
+            out[k.strip()] = int(v)
+    return out
+
+
+class RssSampler:
+    """Peak RSS of this process, sampled every ``interval`` s with psutil on a thread.
+
+    ``peak`` is resident bytes (file-backed mapped pages included, as psutil's rss),
+    ``peak_anon`` is rss - shared (anonymous memory: excludes mapped page-cache pages)."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self.interval = interval
+        self.peak = 0
+        self.peak_anon = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> tuple[int, int]:
+        m = self._proc.memory_info()
+        self.peak = max(self.peak, m.rss)
+        self.peak_anon = max(self.peak_anon, m.rss - m.shared)
+        self.samples += 1
+        return m.rss, m.rss - m.shared
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            time.sleep(self.interval)
+
+    def __enter__(self) -> RssSampler:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def malloc_trim() -> bool:
+    """Return freed heap memory to the OS (glibc), so that an RSS baseline taken next is not
+    hiding allocator-cached memory that a later allocation would silently reuse."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def loadavg() -> float:
+    """The 1-minute load average (other work on the machine skews timings)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+# --------------------------------------------------------------------------- stats and output
+
+
+def median(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def rotated(items: Sequence[Any], k: int) -> list[Any]:
+    k %= max(len(items), 1)
+    return list(items[k:]) + list(items[:k])
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table, first column left-aligned, the others right-aligned."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(3, *(len(r[i]) for r in cells)) for i in range(len(headers))]
+
+    def fmt(row: list[str]) -> str:
+        cols = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        return "| " + " | ".join(cols) + " |"
+
+    marks = (":" + "-" * (w - 1) if i == 0 else "-" * (w - 1) + ":" for i, w in enumerate(widths))
+    rule = "| " + " | ".join(marks) + " |"
+    return "\n".join([fmt(cells[0]), rule, *(fmt(r) for r in cells[1:])])
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, p)
+    return p
+
+
+def source_state() -> dict[str, Any]:
+    """The commit and the uncommitted changes under src/ that a run measured (read-only git)."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "?"
+
+    dirty = git("status", "--porcelain", "src").splitlines()
+    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty_src": dirty}
+
+
+def machine_info(workdir: Path) -> dict[str, Any]:
+    import platform
+
+    cpu = "?"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    fstype = "?"
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        best = ""
+        real = str(workdir.resolve())
+        for line in f:
+            _, mnt, fs = line.split()[:3]
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, fstype = mnt, fs
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "dir": str(workdir),
+        "fstype": fstype,
+    }
