@@ -42,6 +42,8 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def median(xs: Sequence[float]) -> float:
+    """The median of the non-NaN values (NaN if there are none)."""
+    xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
 
 
@@ -350,7 +352,7 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str |
     """A GitHub markdown table; ``align`` is one of l/r/c per column (default: first
     column left, the rest right)."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    widths = [max(3, *(len(r[i]) for r in cells)) for i in range(len(headers))]
     align = align or ("l" + "r" * (len(headers) - 1))
 
     def fmt(row: list[str]) -> str:
@@ -361,7 +363,6 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str |
 
     rule = []
     for w, a in zip(widths, align):
-        w = max(w, 3)
         rule.append(":" + "-" * (w - 1) if a == "l" else "-" * (w - 1) + ":" if a == "r" else ":" + "-" * (w - 2) + ":")
     lines = [fmt(cells[0]), "| " + " | ".join(rule) + " |"]
     lines += [fmt(r) for r in cells[1:]]

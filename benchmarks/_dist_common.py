@@ -1,5 +1,7 @@
-"""Helpers for the distributed and planning benchmarks: a pool of spawned gloo worker
-processes, durable raw writes, per-process I/O and RSS counters, statistics, tables.
+"""Distributed-specific helpers for the distributed and planning benchmarks: a pool of
+spawned gloo worker processes, the durable raw-write baseline, per-process I/O counters,
+load average, source state. The generic helpers (statistics, raw vectored I/O, RSS
+sampling, machine description, tables, JSON, temporary directories) are in _common.
 
 The worker pool follows tests/distributed.py: ``world`` spawned processes join one gloo
 group (file:// rendezvous) and then run case functions, named "module:function", on
@@ -11,26 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import multiprocessing as mp
 import os
 import queue
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-IOV_MAX = 1024
-MAX_RW = 0x7FFFF000  # Linux: the most one read/write call transfers
-
+from _common import REPO, pwritev_all
 
 # --------------------------------------------------------------------------- worker pool
 
@@ -163,86 +159,19 @@ def _ping(rank: int, world: int) -> int:
     return os.getpid()
 
 
-@contextlib.contextmanager
-def work_dir(base: str | None, prefix: str) -> Iterator[Path]:
-    """A temporary directory (under ``base`` or /tmp), removed at the end even on failure,
-    Ctrl-C or SIGTERM."""
-    if base is not None:
-        Path(base).mkdir(parents=True, exist_ok=True)
-    d = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
-
-    def _term(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    old = signal.signal(signal.SIGTERM, _term)
-    try:
-        yield d
-    finally:
-        signal.signal(signal.SIGTERM, old)
-        shutil.rmtree(d, ignore_errors=True)
-
-
 # --------------------------------------------------------------------------- raw I/O
-
-
-def _batches(views: Sequence[memoryview]) -> Iterator[list[memoryview]]:
-    batch: list[memoryview] = []
-    size = 0
-    for v in views:
-        if not v.nbytes:
-            continue
-        if batch and (len(batch) == IOV_MAX or size + v.nbytes > MAX_RW):
-            yield batch
-            batch, size = [], 0
-        batch.append(v)
-        size += v.nbytes
-    if batch:
-        yield batch
-
-
-def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
-    out = []
-    for b in bufs:
-        if n >= b.nbytes:
-            n -= b.nbytes
-            continue
-        out.append(b[n:] if n else b)
-        n = 0
-    return out
 
 
 def write_durable(path: Path, views: Sequence[Any]) -> int:
     """Write the buffers back to back into a new file with ``pwritev`` and fsync it (the
     raw baseline: no header, no checksums, no directory fsync). Returns bytes written."""
-    split: list[memoryview] = []
-    for x in views:  # a single buffer above MAX_RW is cut
-        v = memoryview(x).cast("B")
-        split.extend(v[i: i + MAX_RW] for i in range(0, v.nbytes, MAX_RW))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    pos = 0
     try:
-        for batch in _batches(split):
-            while batch:
-                n = os.pwritev(fd, batch, pos)
-                if n <= 0:
-                    raise OSError("pwritev wrote nothing")
-                pos += n
-                batch = _advance(batch, n)
+        n = pwritev_all(fd, views)
         os.fsync(fd)
     finally:
         os.close(fd)
-    return pos
-
-
-def read_files(paths: Sequence[Path]) -> int:
-    """Read files once (to warm the page cache); bytes read."""
-    total = 0
-    buf = bytearray(16 << 20)
-    for p in paths:
-        with open(p, "rb", buffering=0) as fh:
-            while n := fh.readinto(buf):
-                total += n
-    return total
+    return n
 
 
 def files_under(paths: Sequence[Path]) -> list[Path]:
@@ -267,46 +196,6 @@ def proc_io() -> dict[str, int]:
     return out
 
 
-class RssSampler:
-    """Peak RSS of this process, sampled every ``interval`` s with psutil on a thread.
-
-    ``peak`` is resident bytes (file-backed mapped pages included, as psutil's rss),
-    ``peak_anon`` is rss - shared (anonymous memory: excludes mapped page-cache pages)."""
-
-    def __init__(self, interval: float = 0.001) -> None:
-        import psutil
-
-        self._proc = psutil.Process()
-        self.interval = interval
-        self.peak = 0
-        self.peak_anon = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def sample(self) -> tuple[int, int]:
-        m = self._proc.memory_info()
-        self.peak = max(self.peak, m.rss)
-        self.peak_anon = max(self.peak_anon, m.rss - m.shared)
-        self.samples += 1
-        return m.rss, m.rss - m.shared
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            time.sleep(self.interval)
-
-    def __enter__(self) -> RssSampler:
-        self.sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-
-
 def malloc_trim() -> bool:
     """Return freed heap memory to the OS (glibc), so that an RSS baseline taken next is not
     hiding allocator-cached memory that a later allocation would silently reuse."""
@@ -328,52 +217,11 @@ def loadavg() -> float:
         return float("nan")
 
 
-# --------------------------------------------------------------------------- stats and output
-
-
-def median(xs: Sequence[float]) -> float:
-    xs = [x for x in xs if x == x]
-    return statistics.median(xs) if xs else float("nan")
-
-
-def rotated(items: Sequence[Any], k: int) -> list[Any]:
-    k %= max(len(items), 1)
-    return list(items[k:]) + list(items[:k])
-
-
-def gbps(nbytes: float, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
-
-
-def mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A markdown table, first column left-aligned, the others right-aligned."""
-    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(3, *(len(r[i]) for r in cells)) for i in range(len(headers))]
-
-    def fmt(row: list[str]) -> str:
-        cols = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-        return "| " + " | ".join(cols) + " |"
-
-    marks = (":" + "-" * (w - 1) if i == 0 else "-" * (w - 1) + ":" for i, w in enumerate(widths))
-    rule = "| " + " | ".join(marks) + " |"
-    return "\n".join([fmt(cells[0]), rule, *(fmt(r) for r in cells[1:])])
+# --------------------------------------------------------------------------- output
 
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
-
-
-def write_json(path: str | os.PathLike, obj: Any) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, p)
-    return p
 
 
 def source_state() -> dict[str, Any]:
@@ -388,31 +236,3 @@ def source_state() -> dict[str, Any]:
 
     dirty = git("status", "--porcelain", "src").splitlines()
     return {"commit": git("rev-parse", "--short", "HEAD"), "dirty_src": dirty}
-
-
-def machine_info(workdir: Path) -> dict[str, Any]:
-    import platform
-
-    cpu = "?"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    fstype = "?"
-    with contextlib.suppress(OSError), open("/proc/mounts") as f:
-        best = ""
-        real = str(workdir.resolve())
-        for line in f:
-            _, mnt, fs = line.split()[:3]
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, fstype = mnt, fs
-    return {
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "dir": str(workdir),
-        "fstype": fstype,
-    }

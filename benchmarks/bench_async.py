@@ -50,7 +50,6 @@ import gc
 import multiprocessing as mp
 import os
 import shutil
-import statistics
 import sys
 import time
 import warnings
@@ -58,7 +57,7 @@ from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
-from _common import REPO, CpuMonitor, bench_dir, machine_info, md_table, write_json
+from _common import REPO, CpuMonitor, bench_dir, machine_info, md_table, median, write_json
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -70,10 +69,6 @@ import shardsafe  # noqa: E402
 MiB = 1 << 20
 SLOT = 64 * MiB
 BLOCK = MiB
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 def ms(x: float) -> str:
@@ -209,7 +204,7 @@ class Trainer:
         batch = 64
         for _ in range(3):  # calibrate the batch to the target step time
             self.x = torch.randn(batch, dim)
-            t = med([self.step() for _ in range(5)])
+            t = median([self.step() for _ in range(5)])
             batch = max(8, min(2048, round(batch * target / t)))
         self.x = torch.randn(batch, dim)
         self.batch = batch
@@ -308,11 +303,11 @@ def bench_stalls(work: Path, state: dict, reps: int, saver: shardsafe.AsyncSaver
     return {
         "cold_first_save": {k: {"stall_s": v[0], "durable_s": v[1]} for k, v in cold.items()},
         "runs": {k: [{"stall_s": s, "durable_s": d} for s, d in v] for k, v in runs.items()},
-        "median_stall_s": {k: med([s for s, _ in v]) for k, v in runs.items()},
-        "median_durable_s": {k: med([d for _, d in v]) for k, v in runs.items()},
-        "ratio_ss_async_to_copy": med(per_rep_copy),
-        "ratio_ss_async_to_dcp_async": med(per_rep_dcp),
-        "ratio_ss_async_ceil_slots_to_copy": med(per_rep_experiment),
+        "median_stall_s": {k: median([s for s, _ in v]) for k, v in runs.items()},
+        "median_durable_s": {k: median([d for _, d in v]) for k, v in runs.items()},
+        "ratio_ss_async_to_copy": median(per_rep_copy),
+        "ratio_ss_async_to_dcp_async": median(per_rep_dcp),
+        "ratio_ss_async_ceil_slots_to_copy": median(per_rep_experiment),
         "ratio_ss_async_to_copy_per_rep": per_rep_copy,
         "ratio_ss_async_to_dcp_async_per_rep": per_rep_dcp,
     }
@@ -360,24 +355,24 @@ def bench_training(work: Path, state: dict, trials: int, saver: shardsafe.AsyncS
         base += b0 + b1 + b2
         thread_steps += s_thread
         proc_steps += s_proc
-        base_per.append(med(b0 + b1 + b2))
-        thread_per.append(med(s_thread) / med(b0 + b1))
-        proc_per.append(med(s_proc) / med(b1 + b2))
-        print(f"  training trial {t + 1}/{trials}: undisturbed {ms(med(b0))}/{ms(med(b1))}/{ms(med(b2))}, "
+        base_per.append(median(b0 + b1 + b2))
+        thread_per.append(median(s_thread) / median(b0 + b1))
+        proc_per.append(median(s_proc) / median(b1 + b2))
+        print(f"  training trial {t + 1}/{trials}: undisturbed {ms(median(b0))}/{ms(median(b1))}/{ms(median(b2))}, "
               f"thread x{thread_per[-1]:.2f} ({len(s_thread)} steps), process x{proc_per[-1]:.2f} "
               f"({len(s_proc)} steps)", flush=True)
-    mb = med(base)
+    mb = median(base)
     return {
         "batch": trainer.batch,
-        "median_step_s": {"undisturbed": mb, "thread": med(thread_steps), "process": med(proc_steps)},
+        "median_step_s": {"undisturbed": mb, "thread": median(thread_steps), "process": median(proc_steps)},
         "steps": {"undisturbed": len(base), "thread": len(thread_steps), "process": len(proc_steps)},
-        "ratio_thread": med(thread_per),
-        "ratio_process": med(proc_per),
-        "ratio_thread_pooled": med(thread_steps) / mb,
-        "ratio_process_pooled": med(proc_steps) / mb,
+        "ratio_thread": median(thread_per),
+        "ratio_process": median(proc_per),
+        "ratio_thread_pooled": median(thread_steps) / mb,
+        "ratio_process_pooled": median(proc_steps) / mb,
         "ratio_thread_per_trial": thread_per,
         "ratio_process_per_trial": proc_per,
-        "median_write_s": {"thread": med(thread_write), "process": med(proc_write)},
+        "median_write_s": {"thread": median(thread_write), "process": median(proc_write)},
     }
 
 

@@ -67,26 +67,29 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _dist_common import (  # noqa: E402
+from _common import (  # noqa: E402
     REPO,
     RssSampler,
-    WorkerPool,
-    files_under,
+    bench_dir,
     gbps,
-    loadavg,
     machine_info,
-    malloc_trim,
     md_table,
     median,
     mib,
-    proc_io,
-    read_files,
+    read_file_untimed,
     rotated,
+    rss_now,
+    write_json,
+)
+from _dist_common import (  # noqa: E402
+    WorkerPool,
+    files_under,
+    loadavg,
+    malloc_trim,
+    proc_io,
     source_state,
     verdict,
-    work_dir,
     write_durable,
-    write_json,
 )
 
 import shardsafe  # noqa: E402
@@ -319,7 +322,7 @@ def c_save(rank: int, world: int, which: str, name: str, path: str) -> dict:
 def c_warm(rank: int, world: int, paths: list[str]) -> int:
     """Read a share of the checkpoint files (the page cache is shared by all ranks)."""
     files = files_under([Path(p) for p in paths])
-    n = read_files(files[rank::world])
+    n = sum(read_file_untimed(f) for f in files[rank::world])
     dist.barrier()
     return n
 
@@ -341,7 +344,7 @@ def c_load(rank: int, world: int, which: str, name: str, path: str, ref: str | N
     ctx = sampler if sampler is not None else contextlib.nullcontext()
     bytes_read = copied = None
     with ctx:
-        rss0 = sampler.sample() if sampler is not None else (0, 0)
+        rss0 = rss_now() if sampler is not None else (0, 0)
         c0 = time.process_time()
         t0 = time.perf_counter()
         if which == "shardsafe":
@@ -653,7 +656,7 @@ def main() -> int:
              if src["dirty_src"] else "") + f"; torch {torch.__version__}", flush=True)
     res: dict[str, Any] = {"torch": torch.__version__, "shardsafe": shardsafe.__version__, "quick": args.quick,
                            "source": src}
-    with work_dir(args.dir, "shardsafe-bench-dist-") as work:
+    with bench_dir(args.dir, "shardsafe-bench-dist-") as work:
         res["machine"] = machine_info(work)
         phases: dict[str, float] = {}
         t = time.perf_counter()

@@ -49,7 +49,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _dist_common import REPO, loadavg, md_table, median, mib, source_state, verdict, write_json  # noqa: E402
+from _common import REPO, md_table, median, mib, write_json  # noqa: E402
+from _dist_common import loadavg, source_state, verdict  # noqa: E402
 
 import shardsafe.format.manifest as manifest_mod  # noqa: E402
 from shardsafe.format.checksum import checksum  # noqa: E402
