@@ -203,23 +203,29 @@ def _read_batch(files: OpenFiles, batch: list[tuple[ReadOp, np.ndarray]]) -> Non
             _read_runs(files, op, t)
 
 
+BATCH_BYTES = 8 << 20
+
+
 def _batches(items: list[tuple[ReadOp, np.ndarray]]) -> list[list[tuple[ReadOp, np.ndarray]]]:
-    """Group single-run ops on adjacent byte ranges of the same file."""
+    """Group single-run ops on adjacent byte ranges of the same file into vectored reads
+    of at most IOV_MAX buffers and about BATCH_BYTES (so that threads can share the work)."""
     items = sorted(items, key=lambda it: (it[0].chunk.file, it[0].runs[0][0] if it[0].runs else 0))
     out: list[list[tuple[ReadOp, np.ndarray]]] = []
+    size = 0
     for it in items:
         op = it[0]
-        if out and len(op.runs) == 1 and len(out[-1]) < IOV_MAX:
+        if out and len(op.runs) == 1 and len(out[-1]) < IOV_MAX and size + op.runs[0][1] <= BATCH_BYTES:
             last = out[-1][-1][0]
             if (
                 len(last.runs) == 1
                 and last.chunk.file == op.chunk.file
                 and last.runs[0][0] + last.runs[0][1] == op.runs[0][0]
-                and op.runs[0][1] < (8 << 20)
             ):
                 out[-1].append(it)
+                size += op.runs[0][1]
                 continue
         out.append([it])
+        size = op.runs[0][1] if op.runs else 0
     return out
 
 
