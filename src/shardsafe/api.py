@@ -157,6 +157,8 @@ class PreparedSave:
     dlayouts: dict[str, Any]
     send_tree: bool
     t0: float
+    lock_fd: int = -1  # rank 0 holds the temp directory's lock until the save ends
+    overwrite: bool = False
 
 
 def prepare_save(state_dict: dict[str, Any], path: PathLike, overwrite: bool, comm: Comm) -> PreparedSave:
@@ -171,6 +173,7 @@ def prepare_save(state_dict: dict[str, Any], path: PathLike, overwrite: bool, co
     flat = FlatState(tree=None)
     sources: dict[tuple[str, Box], torch.Tensor] = {}
     dlayouts: dict[str, Any] = {}
+    lock_fd = -1
     try:
         flat = flatten(state_dict, comm.rank)
         layouts, sources, dlayouts = _local_layout(flat)
@@ -180,9 +183,11 @@ def prepare_save(state_dict: dict[str, Any], path: PathLike, overwrite: bool, co
         if comm.rank == 0:
             local.check_target(path, overwrite)
             for old in local.stale_siblings(path):
-                if local.TMP_MARK in old.name:
+                if local.TMP_MARK in old.name and not local.in_use(old):
                     shutil.rmtree(old, ignore_errors=True)
-            tmp_name = str(local.temp_sibling(path))
+            tmp_dir = local.temp_sibling(path)
+            lock_fd = local.lock_dir(tmp_dir)
+            tmp_name = str(tmp_dir)
     except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
         error = exc
     gathered = comm.all_gather(
@@ -201,9 +206,11 @@ def prepare_save(state_dict: dict[str, Any], path: PathLike, overwrite: bool, co
     except BaseException:
         if comm.rank == 0 and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        if lock_fd >= 0:
+            os.close(lock_fd)
         raise
     send_tree = comm.rank != 0 and gathered[comm.rank][2] != gathered[0][2]
-    return PreparedSave(comm, path, tmp, plan, cached, items, flat, dlayouts, send_tree, t0)
+    return PreparedSave(comm, path, tmp, plan, cached, items, flat, dlayouts, send_tree, t0, lock_fd, overwrite)
 
 
 FileResult = tuple[FileEntry, list[tuple[str, Box, int, int, list[str]]]]
@@ -224,6 +231,15 @@ def finish_save(prep: PreparedSave, results: list[FileResult], error: BaseExcept
     """Step 3 (one gather + one small tensor broadcast): rank 0 writes the manifest and
     commits; every rank learns whether the commit happened. Raises the same error on
     every rank when it did not."""
+    try:
+        return _finish_save(prep, results, error)
+    finally:
+        if prep.lock_fd >= 0:
+            os.close(prep.lock_fd)
+            prep.lock_fd = -1
+
+
+def _finish_save(prep: PreparedSave, results: list[FileResult], error: BaseException | None) -> SaveInfo:
     comm = prep.comm
     collected = comm.gather((None if error is None else describe(error, comm.rank), results,
                              prep.flat.rank_local, prep.flat.tree if prep.send_tree else None))
@@ -240,7 +256,7 @@ def finish_save(prep: PreparedSave, results: list[FileResult], error: BaseExcept
             else:
                 manifest = _build_manifest(prep.plan, collected, prep.flat.tree, prep.dlayouts, comm.world)
                 local.write_small_file(prep.tmp / MANIFEST_NAME, manifest.to_bytes())
-                local.commit(prep.tmp, prep.path)
+                local.commit(prep.tmp, prep.path, prep.overwrite)
         except BaseException as exc:
             if not comm.distributed:
                 shutil.rmtree(prep.tmp, ignore_errors=True)
@@ -421,7 +437,7 @@ def load_full(
     value = matcher.materialize(tree)
     matcher.result.raise_errors()
     ops = plan_reads(manifest, matcher.result.fills)
-    with ReadSession(path, manifest, ops, verify=verify, block=_block(manifest)) as session:
+    with ReadSession(path, manifest, ops, verify=verify, block=_block(manifest), verify_all_first=False) as session:
         session.verify()
         session.read()
     return value

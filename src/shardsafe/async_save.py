@@ -185,3 +185,6 @@ def _drain_at_exit() -> None:
             pending.result()
         except BaseException as exc:  # noqa: BLE001 - at exit, report instead of raising
             warnings.warn(f"shardsafe: the pending async save to {pending.path} failed: {exc}", stacklevel=1)
+    for thread in threading.enumerate():  # no thread of ours may outlive the interpreter's teardown
+        if thread.name in ("shardsafe-commit", "shardsafe-writer") and thread is not threading.current_thread():
+            thread.join()

@@ -242,11 +242,15 @@ def _split(work: list, weights: list[int], parts: int) -> list[list]:
 
 class ReadSession:
     """Runs a load's read ops in two steps, so that ranks can agree on errors in between:
-    :meth:`verify` checks headers and every block that will land in caller-owned memory;
-    :meth:`read` lands all bytes (verifying loader-owned memory after it lands)."""
+    :meth:`verify` checks headers and the blocks to be read; :meth:`read` lands all bytes.
+
+    With ``verify_all_first`` (what an in-place load needs) every block is checked before
+    anything lands; otherwise blocks that land in memory the loader allocated itself are
+    checked as they land (one pass fewer; for ``load_full``, where a failure touches
+    nothing of the caller's)."""
 
     def __init__(self, root: Path, manifest: Manifest, ops: list[ReadOp], *, verify: bool, block: int,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, verify_all_first: bool = True) -> None:
         if threads is None:
             threads = max(2, min(8, os.cpu_count() or 2))
         self.files = OpenFiles(root, manifest)
@@ -257,7 +261,7 @@ class ReadSession:
         self.pool = ThreadPoolExecutor(threads)
         self.verified_bytes = 0  # bytes hashed from files before landing (whole checksum blocks)
         self.copied_bytes = 0  # bytes landed in destinations
-        self.post_verify = [
+        self.post_verify = [] if verify_all_first else [
             op for op in ops if verify and op.fill.fresh and op.whole_chunk and op.dest_range is not None
         ]
 
@@ -328,7 +332,8 @@ class ReadSession:
             dtype = op.fill.tensor.dtype
             piece = buffer[:n].view(dtype).view(op.box.lengths) if n else torch.empty(op.box.lengths, dtype=dtype)
             rel = op.box.relative_to(op.fill.box)
-            op.fill.tensor[rel.slices()].copy_(piece)
+            with torch.no_grad():
+                op.fill.tensor[rel.slices()].copy_(piece)
 
 
 def _run_hash_windows(files: OpenFiles, group: list[list[BlockCheck]]) -> int:

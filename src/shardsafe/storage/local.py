@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import os
 import shutil
 import uuid
@@ -56,6 +57,29 @@ def temp_sibling(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     return tmp
+
+
+def lock_dir(path: Path) -> int:
+    """Hold an exclusive flock on directory ``path`` (a save in progress owns its temp
+    directory this way); returns the fd to close when done."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def in_use(path: Path) -> bool:
+    """True when a live save holds ``path``'s lock (its temp directory is being written)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def stale_siblings(path: Path) -> list[Path]:
@@ -128,9 +152,14 @@ def _renameat2_exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
-def commit(tmp: Path, path: Path) -> None:
-    """Publish the fully written ``tmp`` directory at ``path``, atomically."""
+def commit(tmp: Path, path: Path, overwrite: bool = True) -> None:
+    """Publish the fully written ``tmp`` directory at ``path``, atomically. Without
+    ``overwrite``, a checkpoint committed at ``path`` meanwhile (by another save) wins."""
     fsync_dir(tmp)
+    if not overwrite and is_committed(path):
+        raise CheckpointExistsError(
+            f"a checkpoint was committed at {path} while this save was running; pass overwrite=True to replace it"
+        )
     if path.exists():
         if _renameat2_exchange(tmp, path):
             fsync_dir(path.parent)
