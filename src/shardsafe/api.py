@@ -164,7 +164,7 @@ class PreparedSave:
 def prepare_save(state_dict: dict[str, Any], path: PathLike, overwrite: bool, comm: Comm) -> PreparedSave:
     """Step 1 of a save (one all_gather): flatten, describe, agree on errors and plan."""
     t0 = time.perf_counter()
-    path = Path(path)
+    path = Path(os.path.abspath(path))  # "a/b/.." must not put the temp sibling inside "a"
     error: BaseException | None = None
     wire: list[tuple] = []
     signature = ""
