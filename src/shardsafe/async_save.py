@@ -54,6 +54,7 @@ class SaveFuture:
         return self._future.result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for the save; its error, or None when it committed."""
         self._observed = True
         return self._future.exception(timeout)
 

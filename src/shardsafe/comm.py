@@ -96,6 +96,7 @@ def describe(error: BaseException, rank: int) -> tuple[str, str]:
 
 
 def rebuild(desc: tuple[str, str]) -> CheckpointError:
+    """The CheckpointError (subclass by name, else the base class) that ``describe`` described."""
     name, message = desc
     cls = getattr(_errors, name, CheckpointError)
     if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):

@@ -87,6 +87,7 @@ class CheckpointConfig:
         return cls.from_dict(data.get(section, {}))
 
     def to_dict(self) -> dict[str, Any]:
+        """The settings as a plain dict (the inverse of ``from_dict``)."""
         return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
 
 
@@ -138,10 +139,12 @@ class CheckpointManager:
         return sorted(out)
 
     def path(self, step: int) -> Path:
+        """The folder of ``step`` in this manager's folder."""
         return step_dir(self.folder, step)
 
     # -- saving -----------------------------------------------------------------------
     def should_save(self, step: int, *, force: bool = False) -> bool:
+        """True when ``maybe_save(step, ...)`` would save."""
         return force or (self.config.enable and step % self.config.interval == 0)
 
     def maybe_save(self, step: int, state: dict[str, Any], *, force: bool = False) -> bool:

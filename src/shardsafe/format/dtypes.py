@@ -47,6 +47,7 @@ def dtype_name(dtype: torch.dtype, key: str) -> str:
 
 
 def safetensors_code(dtype: torch.dtype) -> str:
+    """The safetensors dtype code of a supported torch dtype ("F32", "BF16", ...)."""
     return TORCH_TO_CODE[dtype]
 
 

@@ -95,6 +95,7 @@ def encode_scalar(value: Any, path: str) -> Any:
 
 
 def encode_dict_key(key: Any, path: str) -> Any:
+    """Encode a dict key (str or int only); raises UnsupportedValueError naming ``path``."""
     if isinstance(key, bool) or not isinstance(key, (str, int)):
         raise UnsupportedValueError(
             f"cannot save dict at '{path}': key {key!r} of type {type(key).__qualname__} "

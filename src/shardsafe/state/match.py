@@ -50,6 +50,8 @@ class Fill:
 
 @dataclass
 class MatchResult:
+    """What a load must do once checks pass: fills, assignments, Stateful calls; or its errors."""
+
     fills: list[Fill] = field(default_factory=list)
     assigns: list[Callable[[], None]] = field(default_factory=list)
     statefuls: list[tuple[Any, Callable[[], Any]]] = field(default_factory=list)

@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover
 
 
 def is_dtensor(t: Any) -> bool:
+    """True for a torch DTensor."""
     return DTensor is not None and isinstance(t, DTensor)
 
 

@@ -60,6 +60,7 @@ def rank_local(value: Any, *, missing: str = "error") -> RankLocal:
 
 
 def join_key(parts: list[str]) -> str:
+    """The dotted key of a path in the state tree."""
     return ".".join(parts)
 
 

@@ -92,6 +92,7 @@ def stale_siblings(path: Path) -> list[Path]:
 
 
 def fsync_dir(path: Path) -> None:
+    """fsync a directory, so that entries created or renamed in it are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
