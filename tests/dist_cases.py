@@ -114,6 +114,20 @@ def full_reference(state: dict) -> dict:
     return walk(state)
 
 
+def tensors_of(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Flat dotted key -> tensor of a nested state (dicts, lists, tuples)."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(tensors_of(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out.update(tensors_of(v, f"{prefix}.{i}" if prefix else str(i)))
+    return out
+
+
 def assert_bitwise(a, b, path: str = "") -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b)}"
@@ -136,7 +150,8 @@ def assert_bitwise(a, b, path: str = "") -> None:
 
 
 def save_trained(rank: int, world: int, layout: str, path: str, ref_path: str) -> dict:
-    """Train ``layout`` a few steps, save with shardsafe; rank 0 writes a full reference."""
+    """Train ``layout`` a few steps, save with shardsafe; rank 0 writes a full reference.
+    Reports the bytes written, the plan cache flag and the model's DTensor placements."""
     model, opt = build(layout, world)
     train(model, opt, 3, data_rank(layout, rank))
     state = train_state(model, opt)
@@ -145,7 +160,7 @@ def save_trained(rank: int, world: int, layout: str, path: str, ref_path: str) -
     if rank == 0:
         torch.save(ref, ref_path)
     dist.barrier()
-    return {"bytes": info.bytes_written}
+    return {"bytes": info.bytes_written, "plan_cached": info.plan_cached, "placements": placements_of(state["model"])}
 
 
 def load_into(rank: int, world: int, layout: str, path: str, ref_path: str) -> dict:
@@ -203,19 +218,6 @@ def placements_of(state: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- cases
-
-
-def save_trained_info(rank: int, world: int, layout: str, path: str, ref_path: str) -> dict:
-    """Like :func:`save_trained`, and also report the plan cache flag and DTensor placements."""
-    model, opt = build(layout, world)
-    train(model, opt, 3, data_rank(layout, rank))
-    state = train_state(model, opt)
-    info = shardsafe.save(state, path)
-    ref = full_reference(state)
-    if rank == 0:
-        torch.save(ref, ref_path)
-    dist.barrier()
-    return {"bytes": info.bytes_written, "plan_cached": info.plan_cached, "placements": placements_of(state["model"])}
 
 
 def load_measured(rank: int, world: int, layout: str, path: str, ref_path: str) -> dict:

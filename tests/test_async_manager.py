@@ -26,6 +26,7 @@ import torch
 import async_cases
 import dist_cases
 import shardsafe
+from dist_cases import tensors_of
 from shardsafe import CheckpointConfig, CheckpointManager, CorruptCheckpointError
 from shardsafe.engine import staging
 from shardsafe.format.manifest import MANIFEST_NAME
@@ -74,19 +75,6 @@ def mixed_state(seed: int = 0) -> dict:
         "c64": torch.randn(40, generator=g, dtype=torch.complex64),
         "meta": {"step": 12, "name": "run-α", "lr": 0.1, "lst": [1, 2.5, None, "x"]},
     }
-
-
-def tensors_of(tree, prefix: str = "") -> dict[str, torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree}
-    out: dict[str, torch.Tensor] = {}
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            out.update(tensors_of(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            out.update(tensors_of(v, f"{prefix}.{i}" if prefix else str(i)))
-    return out
 
 
 def snapshot(tree):

@@ -94,7 +94,7 @@ def ckpts(pg_pool, tmp_path_factory):
     pool = pg_pool(4)
     for layout in LAYOUTS:
         path, ref = root / layout, root / f"{layout}.ref.pt"
-        infos = pool.run(dist_cases.save_trained_info, layout, str(path), str(ref))
+        infos = pool.run(dist_cases.save_trained, layout, str(path), str(ref))
         out[layout] = (path, ref, infos)
     return out
 
@@ -382,7 +382,7 @@ def test_8_ranks_to_fsdp_3(pg_pool, tmp_path, layout):
     # fsdp: 12 and 20 rows over 8 ranks leave ranks 6 and 7 with empty shards;
     # fsdp_tp (4 x 2): each TP half of 20 rows splits 3, 3, 3, 1 over dp (uneven _StridedShard).
     path, ref = tmp_path / "at8", tmp_path / "at8.ref.pt"
-    infos = pg_pool(8).run(dist_cases.save_trained_info, layout, str(path), str(ref))
+    infos = pg_pool(8).run(dist_cases.save_trained, layout, str(path), str(ref))
     m = shardsafe.read_manifest(path)
     assert m.world_size == 8
     assert_chunks_partition(m)

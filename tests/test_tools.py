@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 import shardsafe
 import tools_cases
-from dist_cases import assert_bitwise
+from dist_cases import assert_bitwise, tensors_of
 from shardsafe.tools import (
     compare_tensors,
     diff_checkpoints,
@@ -61,20 +61,6 @@ def make_state() -> dict:
         "optim": {"lr": 1e-3, "betas": (0.9, 0.999), "name": "adamw", "step": 7, "blob": b"\x00\x01"},
         "rng": shardsafe.rank_local({"seed": 3, "state": torch.arange(5, dtype=torch.uint8)}),
     }
-
-
-def tensors_of(tree, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Flat dotted key -> tensor of a nested state (rank-local values skipped)."""
-    out: dict[str, torch.Tensor] = {}
-    if isinstance(tree, torch.Tensor):
-        out[prefix] = tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            out.update(tensors_of(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            out.update(tensors_of(v, f"{prefix}.{i}" if prefix else str(i)))
-    return out
 
 
 def plain(state: dict) -> dict:

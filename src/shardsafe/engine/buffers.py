@@ -6,13 +6,20 @@ import numpy as np
 import torch
 
 
-def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """A CPU, contiguous, conjugation-resolved tensor with ``t``'s values (``t`` itself when possible)."""
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, with lazy conjugate / negative views materialized (so its memory
+    holds exactly its values); ``t``'s own storage when there is nothing to resolve."""
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
+    return t
+
+
+def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """A CPU, contiguous, conjugation-resolved tensor with ``t``'s values (``t`` itself when possible)."""
+    t = resolved(t)
     if t.device.type != "cpu":
         t = t.to("cpu")
     return t.contiguous()

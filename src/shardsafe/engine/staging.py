@@ -26,7 +26,7 @@ from ..format.dtypes import safetensors_code
 from ..format.manifest import FileEntry
 from ..plan.save_plan import WriteItem
 from ..storage.local import write_all
-from .buffers import byte_view
+from .buffers import byte_view, resolved
 
 DEFAULT_SLOT = 64 << 20
 MIN_POOL = 1 << 20  # smaller bounds are raised to this: slots of a few bytes only cost time
@@ -181,11 +181,7 @@ class StagedWriter:
     def _pieces(self, item: WriteItem, limit: int):
         """Contiguous uint8 views of an item's bytes in row-major order, each of at most
         ``limit`` bytes when a copy is needed (a contiguous CPU source is viewed whole)."""
-        src = item.source.detach()
-        if src.is_conj():
-            src = src.resolve_conj()
-        if src.is_neg():
-            src = src.resolve_neg()
+        src = resolved(item.source)
         if src.device.type == "cpu" and src.is_contiguous():
             yield torch.from_numpy(byte_view(src)) if src.numel() else torch.empty(0, dtype=torch.uint8)
             return

@@ -31,9 +31,11 @@ def chunk_name(key: str, offsets: Sequence[int], whole: bool) -> str:
     return key if whole else f"{key}@{','.join(str(o) for o in offsets)}"
 
 
-def build_header(entries: Sequence[ChunkEntry]) -> tuple[bytes, list[tuple[int, int]]]:
+def build_header(
+    entries: Sequence[ChunkEntry], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[tuple[int, int]]]:
     """The header bytes (length prefix included) and each chunk's absolute byte range."""
-    body: dict[str, object] = {"__metadata__": METADATA}
+    body: dict[str, object] = {"__metadata__": METADATA if metadata is None else metadata}
     offset = 0
     relative = []
     for e in entries:

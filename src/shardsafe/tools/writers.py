@@ -8,9 +8,7 @@ be written and dropped before the next one is read.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +17,9 @@ from typing import Any
 import torch
 
 from ..engine.buffers import byte_view
+from ..format.datafile import ChunkEntry, build_header
 from ..format.dtypes import itemsize, safetensors_code
 from ..storage.local import write_all
-
-HEADER_ALIGN = 8
 
 
 @dataclass(frozen=True)
@@ -49,31 +46,10 @@ def write_tensor(fd: int, offset: int, tensor: torch.Tensor) -> None:
         write_all(fd, memoryview(byte_view(tensor.contiguous())), offset)
 
 
-class SafetensorsWriter:
-    """A safetensors file whose header is written at once; tensors then go to their places."""
+class _FileWriter:
+    """An output file opened for positional writes; ``close`` fsyncs it."""
 
-    def __init__(self, path: Path, slots: list[Slot], metadata: dict[str, str] | None = None) -> None:
-        body: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-        offset = 0
-        self.offsets: dict[str, int] = {}
-        for s in slots:
-            body[s.name] = {"dtype": safetensors_code(s.dtype), "shape": list(s.shape),
-                            "data_offsets": [offset, offset + s.nbytes]}
-            self.offsets[s.name] = offset
-            offset += s.nbytes
-        text = json.dumps(body, separators=(",", ":")).encode("utf-8")
-        text += b" " * (-(len(text) + 8) % HEADER_ALIGN)
-        header = struct.pack("<Q", len(text)) + text
-        self.base = len(header)
-        self.size = self.base + offset
-        self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        write_all(self.fd, memoryview(header), 0)
-        os.ftruncate(self.fd, self.size)
-
-    def write(self, slot: Slot, tensor: torch.Tensor) -> None:
-        """Put ``tensor`` (of ``slot``'s dtype and shape) in its place."""
-        write_tensor(self.fd, self.base + self.offsets[slot.name], tensor)
+    fd = -1
 
     def close(self) -> None:
         """fsync and close."""
@@ -83,6 +59,24 @@ class SafetensorsWriter:
             finally:
                 os.close(self.fd)
                 self.fd = -1
+
+
+class SafetensorsWriter(_FileWriter):
+    """A safetensors file whose header is written at once; tensors then go to their places."""
+
+    def __init__(self, path: Path, slots: list[Slot], metadata: dict[str, str] | None = None) -> None:
+        entries = [ChunkEntry(s.name, safetensors_code(s.dtype), tuple(s.shape), s.nbytes) for s in slots]
+        header, ranges = build_header(entries, dict(metadata or {"format": "pt"}))
+        self.offsets: dict[str, int] = {s.name: start for s, (start, _) in zip(slots, ranges)}
+        self.size = ranges[-1][1] if ranges else len(header)
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        write_all(self.fd, memoryview(header), 0)
+        os.ftruncate(self.fd, self.size)
+
+    def write(self, slot: Slot, tensor: torch.Tensor) -> None:
+        """Put ``tensor`` (of ``slot``'s dtype and shape) in its place."""
+        write_tensor(self.fd, self.offsets[slot.name], tensor)
 
 
 def _pairs(skeleton: Any, loaded: Any) -> Iterator[tuple[Slot, torch.Tensor]]:
@@ -109,7 +103,7 @@ def _fake(skeleton: Any) -> Any:
     return skeleton
 
 
-class TorchSaveWriter:
+class TorchSaveWriter(_FileWriter):
     """A ``torch.save`` file of ``skeleton`` (a tree whose tensors are Slots), written
     without data; ``write`` then fills each tensor's storage bytes in the file.
 
@@ -140,12 +134,3 @@ class TorchSaveWriter:
     def write(self, slot: Slot, tensor: torch.Tensor) -> None:
         """Put ``tensor`` (of ``slot``'s dtype and shape) in its storage's place."""
         write_tensor(self.fd, self.offsets[slot.key], tensor)
-
-    def close(self) -> None:
-        """fsync and close."""
-        if self.fd >= 0:
-            try:
-                os.fsync(self.fd)
-            finally:
-                os.close(self.fd)
-                self.fd = -1
