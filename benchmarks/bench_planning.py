@@ -23,10 +23,11 @@ planner's objects are dropped before the manifest is timed, so the heap is about
 a process that imported torch; every step is also timed with the GC disabled, which
 separates the algorithms' own growth from the collector's.
 Growth is reported as ratios between sizes and as the exponent p of time ~ chunks^p
-(p = 1: linear). ``from_bytes`` is broken down into its integrity checksum, json.loads,
-the dataclass construction and (where this shardsafe has it) the structure validation;
-when the ~128k-chunk parse exceeds 200 ms it is also profiled, and a positional
-("array") chunk encoding is timed as a what-if (src/ is not changed).
+(p = 1: linear). ``from_bytes`` is broken down into its integrity checksum, json.loads and the
+tensor entries + chunk table with its vectorized validation; building every Chunk object
+(which loads avoid: entries build only the chunks a read needs) is timed beside it, and
+for the FSDP-like case the parse plus one rank's load plan. When the ~128k-chunk parse
+exceeds 200 ms it is also profiled.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import REPO, md_table, median, mib, write_json  # noqa: E402
@@ -56,7 +59,9 @@ import shardsafe.format.manifest as manifest_mod  # noqa: E402
 from shardsafe.format.checksum import checksum  # noqa: E402
 from shardsafe.format.manifest import _TRAILER, Chunk, FileEntry, Manifest, TensorEntry  # noqa: E402
 from shardsafe.layout import Box  # noqa: E402
+from shardsafe.plan.load_plan import plan_reads  # noqa: E402
 from shardsafe.plan.save_plan import GlobalPlan, TensorLayout, data_file_name, plan_global  # noqa: E402
+from shardsafe.state.match import Fill  # noqa: E402
 
 WORLD = 1024
 BLOCK = 1 << 20
@@ -178,21 +183,15 @@ def parse_breakdown(data: bytes, reps: int) -> dict[str, dict[str, Timing]]:
     cut = data.rfind(_TRAILER)
     head = data[:cut]
     body = json.loads(head + b"}")
-
-    def build() -> Any:
-        tensors = {k: TensorEntry.from_json(v) for k, v in body["tensors"].items()}
-        files = [FileEntry.from_json(f) for f in body["files"]]
-        return tensors, files
+    files = [FileEntry.from_json(f) for f in body["files"]]
+    block = body["extra"]["checksum_block"]
 
     steps: dict[str, Callable[[], Any]] = {
         "integrity checksum": lambda: checksum(data[:cut]),
         "json.loads": lambda: json.loads(head + b"}"),
-        "build dataclasses": build,
+        "tensor entries + chunk table + validation": lambda: manifest_mod._parse_tensors(
+            body["tensors"], body["chunks"], files, block, "manifest.json"),
     }
-    check = getattr(manifest_mod, "_structure_problem", None)  # validation, where this version has it
-    parsed = Manifest.from_bytes(data) if check is not None else None
-    if check is not None:
-        steps["validate (_structure_problem)"] = lambda: check(parsed)
     out: dict[str, dict[str, Timing]] = {}
     for name, fn in steps.items():
         out[name] = {}
@@ -201,29 +200,34 @@ def parse_breakdown(data: bytes, reps: int) -> dict[str, dict[str, Timing]]:
     return out
 
 
-def array_encoding_whatif(data: bytes, reps: int) -> dict[str, Any]:
-    """What-if: chunks as positional arrays [o, n, f, start, end, x, r] (one list per
-    chunk instead of a dict with six keys), parsed with json.loads and built into Chunks."""
-    m = Manifest.from_bytes(data)
-    body = {k: {"dtype": t.dtype, "shape": list(t.shape), "kind": t.kind,
-                "chunks": [[list(c.offsets), list(c.lengths), c.file, c.start, c.end, c.checksum, c.rank]
-                           for c in t.chunks]} for k, t in m.tensors.items()}
-    m = None  # type: ignore[assignment]
-    text = json.dumps(body, separators=(",", ":")).encode()
-    body = None  # type: ignore[assignment]
-    out: dict[str, Any] = {"bytes": len(text)}
-    for gc_on in (True, False):
-        t_json, parsed = timed(lambda: json.loads(text), reps, gc_on=gc_on)
+def every_chunk_object(data: bytes, reps: int) -> Timing:
+    """Building every Chunk object of a parsed manifest (what tools that list all chunks
+    pay; loads build only the chunks they read)."""
+    parsed = Manifest.from_bytes(data)
+    entries = list(parsed.tensors.values())
+    # Fresh entries each run: an entry keeps the chunks it built.
+    t, _ = timed(lambda: [TensorEntry.in_table(e.dtype, e.shape, e.kind, e.layout, e._table, e._lo, e._hi).chunks
+                          for e in entries], reps)
+    return t
 
-        def build(parsed: Any = parsed) -> Any:
-            return {k: [Chunk(tuple(o), tuple(n), f, s, e, x, r) for o, n, f, s, e, x, r in v["chunks"]]
-                    for k, v in parsed.items()}
 
-        t_build, _ = timed(build, reps, gc_on=gc_on)
-        out["gc_on" if gc_on else "gc_off"] = {"json_loads": t_json.json(), "build": t_build.json(),
-                                               "total_cpu_s": t_json.cpu + t_build.cpu}
-        parsed = None
-    return out
+def one_rank_load_plan(data: bytes, rank: int, reps: int) -> Timing:
+    """Manifest.from_bytes plus plan_reads for the fills of one rank of the FSDP-like
+    case (its row block of every tensor, as a 1024-rank FSDP2 load asks for)."""
+    parsed = Manifest.from_bytes(data)
+    fills = []
+    for key, t in parsed.tensors.items():
+        rows = t.shape[0] // WORLD
+        box = Box((rank * rows, 0), (rows, t.shape[1]))
+        fills.append(Fill(key, torch.empty(box.lengths), box, False))
+    parsed = None
+
+    def run() -> Any:
+        return plan_reads(Manifest.from_bytes(data), fills)
+
+    t, ops = timed(run, reps)
+    assert len(ops) == len(fills) and all(op.dest_range is not None for op in ops)
+    return t
 
 
 def profile_parse(data: bytes, top: int = 10) -> str:
@@ -375,12 +379,16 @@ def main() -> int:
     lines.append(f"\nlargest step without the GC: {top} ({bd[top]['off'].cpu / off_total * 100:.0f}% of the steps' "
                  f"sum); with the GC on, collections are {gc_share * 100:.0f}% of json.loads "
                  f"({len(gc.get_objects())} objects tracked in this process)")
+    objs = every_chunk_object(big["_data"], reps)
+    check["every_chunk_object"] = objs.json()
+    lines.append(f"\nnot part of a load: building all {big['chunks']} Chunk objects afterwards (tools that list "
+                 f"every chunk) takes {objs.ms()} ms CPU")
+    if big["kind"] == "fsdp":
+        lr = one_rank_load_plan(big["_data"], 517, reps)
+        check["one_rank_load_plan"] = lr.json()
+        lines.append(f"\nfrom_bytes + plan_reads of one rank's fills ({big['tensors']} row blocks out of "
+                     f"{big['chunks']} chunks): {lr.ms()} ms CPU")
     if not ok or args.quick:
-        wi = array_encoding_whatif(big["_data"], reps)
-        check["whatif_array_chunks"] = wi
-        lines.append(f"\nwhat-if, chunks as positional arrays ({mib(wi['bytes'])} of tensor JSON): json.loads + "
-                     f"building Chunks = {wi['gc_on']['total_cpu_s'] * 1e3:.1f} ms CPU with the GC on, "
-                     f"{wi['gc_off']['total_cpu_s'] * 1e3:.1f} ms with it off")
         prof = profile_parse(big["_data"])
         check["profile"] = prof
         lines.append("\ncProfile of Manifest.from_bytes (GC on; top by own time):\n```\n" + prof + "\n```")

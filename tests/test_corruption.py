@@ -329,7 +329,7 @@ def test_future_major_version_refused(tmp_path):
     path, _ = make_ckpt(tmp_path)
 
     def bump(m):
-        m.version = (2, 0)
+        m.version = (3, 0)
 
     rewrite_manifest(path, bump)
     json.loads((path / MANIFEST_NAME).read_bytes())  # still well-formed
@@ -338,7 +338,7 @@ def test_future_major_version_refused(tmp_path):
                  lambda: shardsafe.read_manifest(path)):
         with pytest.raises(FormatVersionError) as ei:
             call()
-        assert "2.0" in str(ei.value) and MANIFEST_NAME in str(ei.value)
+        assert "3.0" in str(ei.value) and MANIFEST_NAME in str(ei.value)
     assert_dest_untouched(dest)
 
 
@@ -346,11 +346,76 @@ def test_newer_minor_version_still_loads(tmp_path):
     path, _ = make_ckpt(tmp_path)
 
     def bump(m):
-        m.version = (1, 9)
+        m.version = (2, 9)
 
     rewrite_manifest(path, bump)
-    assert shardsafe.read_manifest(path).version == (1, 9)
+    assert shardsafe.read_manifest(path).version == (2, 9)
     assert_loads_correctly(path)
+
+
+def to_v1(body: dict) -> dict:
+    """The same manifest in the format-1.0 layout (chunks inline, one object each)."""
+    table, ranks = body["chunks"], [f["rank"] for f in body["files"]]
+    dims = 0
+    blocks = 0
+    tensors = {}
+    block = body["extra"]["checksum_block"]
+    for key, t in body["tensors"].items():
+        first, count = t["chunks"]
+        nd = len(t["shape"])
+        chunks = []
+        for c in range(first, first + count):
+            start, end = table["b"][2 * c: 2 * c + 2]
+            nb = max(1, -(-(end - start) // block))
+            sums = [table["x"][16 * i: 16 * i + 16] for i in range(blocks, blocks + nb)]
+            chunks.append({"o": table["o"][dims: dims + nd], "n": table["n"][dims: dims + nd], "f": table["f"][c],
+                           "b": [start, end], "x": sums, "r": ranks[table["f"][c]]})
+            dims += nd
+            blocks += nb
+        tensors[key] = {**{k: v for k, v in t.items() if k != "chunks"}, "chunks": chunks}
+    out = {k: v for k, v in body.items() if k != "chunks"}
+    out["version"], out["tensors"] = [1, 0], tensors
+    return out
+
+
+def test_format_1_checkpoint_still_loads(tmp_path):
+    """Checkpoints written in format 1.0 (chunks inline) load bitwise, in place and full."""
+    path, _ = make_ckpt(tmp_path)
+    body = json.loads((path / MANIFEST_NAME).read_bytes())
+    v1 = to_v1(body)
+    write_body(path, v1)
+    assert json.loads((path / MANIFEST_NAME).read_bytes())["tensors"]["big"]["chunks"][0]["x"][2]
+    m = shardsafe.read_manifest(path)
+    assert m.version == (1, 0) and [c.to_json() for c in m.tensors["big"].chunks] == v1["tensors"]["big"]["chunks"]
+    assert_loads_correctly(path)
+    dest = sentinel_dest()
+    shardsafe.load(dest, path)
+    want = state()
+    for k in ("big", "half", "last"):
+        assert torch.equal(raw(dest[k]), raw(want[k]))
+    assert torch.equal(raw(dest["model"]["w"]), raw(want["model"]["w"])) and dest["step"] == 12
+
+
+@pytest.mark.parametrize("case", ["chunk_not_object", "checksums_not_list", "box_rank_differs", "byte_range_past_end"])
+def test_inconsistent_format_1_manifest_refused(tmp_path, case):
+    path, _ = make_ckpt(tmp_path)
+    v1 = to_v1(json.loads((path / MANIFEST_NAME).read_bytes()))
+    chunk = v1["tensors"]["last"]["chunks"][0]
+    if case == "chunk_not_object":
+        v1["tensors"]["last"]["chunks"] = [5]
+    elif case == "checksums_not_list":
+        chunk["x"] = chunk["x"][0]
+    elif case == "box_rank_differs":
+        chunk["n"] = [20, 2]
+    else:
+        chunk["b"] = [v1["files"][0]["bytes"] - 40, v1["files"][0]["bytes"] + 40]
+    write_body(path, v1)
+    dest = sentinel_dest()
+    for call in (lambda: shardsafe.read_manifest(path), lambda: shardsafe.load(dest, path)):
+        with pytest.raises(CorruptCheckpointError) as ei:
+            call()
+        assert MANIFEST_NAME in str(ei.value) and "'last'" in str(ei.value), str(ei.value)
+    assert_dest_untouched(dest)
 
 
 def test_rewritten_manifest_round_trips(tmp_path):
@@ -493,35 +558,72 @@ def write_body(path: Path, body: dict) -> None:
     (path / MANIFEST_NAME).write_bytes(head + TRAILER + checksum(head).encode() + b'"}\n')
 
 
-def _chunk(body: dict, key: str) -> dict:
+def _row(body: dict, key: str) -> int:
+    """Index in the chunk table of the first chunk of ``key`` (docs/format.md)."""
     return body["tensors"][key]["chunks"][0]
+
+
+def _dims(body: dict, key: str) -> int:
+    """Index in the flat ``o``/``n`` columns of the first offset of ``key``'s first chunk."""
+    pos = 0
+    for k, t in body["tensors"].items():
+        if k == key:
+            return pos
+        pos += len(t["shape"]) * t["chunks"][1]
+    raise KeyError(key)
+
+
+def _set(body: dict, key: str, column: str, value) -> None:
+    """Overwrite one field of ``key``'s first chunk in the chunk table."""
+    table, row = body["chunks"], _row(body, key)
+    if column == "f":
+        table["f"][row] = value
+    elif column == "b":
+        table["b"][2 * row: 2 * row + 2] = value
+    else:  # "o" / "n": one value per dim
+        d = _dims(body, key)
+        table[column][d: d + len(value)] = value
+
+
+def _range(body: dict, key: str) -> list[int]:
+    return body["chunks"]["b"][2 * _row(body, key): 2 * _row(body, key) + 2]
 
 
 CRAFTED = {
     "tensors_not_object": lambda b: b.__setitem__("tensors", []),
     "files_not_list": lambda b: b.__setitem__("files", {}),
     "extra_not_object": lambda b: b.__setitem__("extra", [1]),
+    "checksum_block_missing": lambda b: b["extra"].pop("checksum_block"),
     "rank_local_not_object": lambda b: b.__setitem__("rank_local", [1]),
     "world_size_zero": lambda b: b.__setitem__("world_size", 0),
-    "file_index_out_of_range": lambda b: _chunk(b, "last").__setitem__("f", 3),
-    "file_index_negative": lambda b: _chunk(b, "last").__setitem__("f", -1),
-    "byte_range_too_short": lambda b: _chunk(b, "last").__setitem__("b", [_chunk(b, "last")["b"][0],
-                                                                          _chunk(b, "last")["b"][0] + 8]),
-    "byte_range_past_end": lambda b: _chunk(b, "last").__setitem__("b", [b["files"][0]["bytes"] - 40,
-                                                                         b["files"][0]["bytes"] + 40]),
-    "byte_range_in_header": lambda b: _chunk(b, "last").__setitem__("b", [0, 80]),
-    "box_outside_shape": lambda b: _chunk(b, "model.w").__setitem__("o", [1, 0]),
-    "box_rank_differs": lambda b: _chunk(b, "model.w").__setitem__("n", [64 * 33]),
+    "file_index_out_of_range": lambda b: _set(b, "last", "f", 3),
+    "file_index_negative": lambda b: _set(b, "last", "f", -1),
+    "byte_range_too_short": lambda b: _set(b, "last", "b", [_range(b, "last")[0], _range(b, "last")[0] + 8]),
+    "byte_range_past_end": lambda b: _set(b, "last", "b", [b["files"][0]["bytes"] - 40, b["files"][0]["bytes"] + 40]),
+    "byte_range_in_header": lambda b: _set(b, "last", "b", [0, 80]),
+    "byte_range_reversed": lambda b: _set(b, "last", "b", list(reversed(_range(b, "last")))),
+    "box_outside_shape": lambda b: _set(b, "model.w", "o", [1, 0]),
+    "box_negative": lambda b: _set(b, "model.w", "n", [-64, 33]),
+    "box_rank_differs": lambda b: b["chunks"]["n"].pop(),
     "shape_negative": lambda b: b["tensors"]["last"].__setitem__("shape", [-40]),
     "shape_not_ints": lambda b: b["tensors"]["last"].__setitem__("shape", ["40"]),
+    "shape_too_large": lambda b: b["tensors"]["last"].__setitem__("shape", [2**62]),
     "dtype_not_string": lambda b: b["tensors"]["last"].__setitem__("dtype", 5),
     "unknown_kind": lambda b: b["tensors"]["last"].__setitem__("kind", "weird"),
-    "checksums_not_list": lambda b: _chunk(b, "last").__setitem__("x", "0123456789abcdef"),
+    "checksums_not_string": lambda b: b["chunks"].__setitem__("x", ["0123456789abcdef"]),
+    "checksums_one_short": lambda b: b["chunks"].__setitem__("x", b["chunks"]["x"][:-16]),
+    "checksums_not_hex": lambda b: b["chunks"].__setitem__("x", "zz" + b["chunks"]["x"][2:]),
+    "column_not_ints": lambda b: b["chunks"]["f"].__setitem__(0, "0"),
+    "column_has_float": lambda b: b["chunks"]["b"].__setitem__(1, float(b["chunks"]["b"][1])),
+    "column_too_big": lambda b: b["chunks"]["b"].__setitem__(1, 2**70),
+    "chunk_table_not_object": lambda b: b.__setitem__("chunks", [5]),
+    "chunk_table_missing": lambda b: b.pop("chunks"),
+    "chunk_range_not_pair": lambda b: b["tensors"]["last"].__setitem__("chunks", [5]),
+    "chunk_ranges_overlap": lambda b: b["tensors"]["last"].__setitem__("chunks", [0, 1]),
     "file_name_escapes": lambda b: b["files"][0].__setitem__("name", "../other/data-r00000-00.safetensors"),
     "file_name_absolute": lambda b: b["files"][0].__setitem__("name", "/etc/hostname"),
     "header_bytes_huge": lambda b: b["files"][0].__setitem__("header_bytes", 10**13),
     "file_bytes_not_int": lambda b: b["files"][0].__setitem__("bytes", "many"),
-    "chunk_not_object": lambda b: b["tensors"]["last"].__setitem__("chunks", [5]),
     "missing_world_size": lambda b: b.pop("world_size"),
 }
 

@@ -673,8 +673,14 @@ def test_manifest_is_json_and_describes_tensors(tmp_path):
     names = sorted(p.name for p in path.iterdir())
     assert names == ["data-r00000-00.safetensors", "manifest.json"]
     body = json.loads((path / "manifest.json").read_bytes())
-    assert body["format"] == "shardsafe" and body["version"][0] == 1
+    assert body["format"] == "shardsafe" and body["version"] == [2, 0]
     assert body["tensors"]["a"]["dtype"] == "bfloat16" and body["tensors"]["a"]["shape"] == [2, 3]
+    # The chunk table (docs/format.md): tensor "a" owns row 0, one chunk of 12 bf16 bytes.
+    (first, count) = body["tensors"]["a"]["chunks"]
+    table = body["chunks"]
+    assert (first, count) == (0, 1) and table["o"][:2] == [0, 0] and table["n"][:2] == [2, 3]
+    start, end = table["b"][0:2]
+    assert end - start == 12 and table["f"][0] == 0 and len(table["x"]) == 16 * len(table["f"])
     assert body["tree"]["a"] == {"$tensor": "a"}
     assert body["tree"]["v"] == {"x": {"$tuple": [1, 2]}}
     assert body["tree"]["big"] == {"$int": str(2**100)}

@@ -12,68 +12,86 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
+import numpy as np
+
 from ..errors import CorruptCheckpointError, FormatVersionError
 from ..gcpause import gc_paused
 from .checksum import ALGORITHM, checksum
+from .chunk_table import Chunk, ChunkTable
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "shardsafe"
-FORMAT_VERSION = (1, 0)
+FORMAT_VERSION = (2, 0)
+READABLE_MAJORS = (1, 2)
 _TRAILER = b', "manifest_xxh3_64": "'
 
 KINDS = ("replicated", "sharded", "rank_local")
 
 
-@dataclass
-class Chunk:
-    """One saved box of a tensor, stored contiguously (row-major) in one data file."""
+class TensorEntry:
+    """A logical tensor: dtype, global shape, kind, and the chunks that cover it.
 
-    offsets: tuple[int, ...]
-    lengths: tuple[int, ...]
-    file: int  # index into Manifest.files
-    start: int  # absolute byte range in the file
-    end: int
-    checksum: list[str]  # XXH3-64 of each checksum block of the byte range
-    rank: int  # the saving rank that wrote it
+    An entry built by a writer holds a list of :class:`Chunk`; one parsed from a file
+    points into the manifest's :class:`ChunkTable` and builds Chunk objects only when
+    ``chunks`` is first read (:meth:`chunks_meeting` needs none for the others)."""
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "o": list(self.offsets),
-            "n": list(self.lengths),
-            "f": self.file,
-            "b": [self.start, self.end],
-            "x": self.checksum,
-            "r": self.rank,
-        }
+    __slots__ = ("dtype", "shape", "kind", "layout", "_chunks", "_table", "_lo", "_hi")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], kind: str = "replicated",
+                 chunks: list[Chunk] | None = None, layout: dict[str, Any] | None = None) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.kind = kind
+        self.layout = layout  # the saving layout (mesh, placements), when sharded
+        self._chunks: list[Chunk] | None = [] if chunks is None else chunks
+        self._table: ChunkTable | None = None
+        self._lo = self._hi = 0
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> Chunk:
-        return Chunk(tuple(d["o"]), tuple(d["n"]), d["f"], d["b"][0], d["b"][1], d["x"], d["r"])
+    def in_table(dtype: str, shape: tuple[int, ...], kind: str, layout: dict[str, Any] | None,
+                 table: ChunkTable, lo: int, hi: int) -> TensorEntry:
+        """An entry whose chunks are rows ``lo..hi-1`` of ``table``."""
+        entry = TensorEntry(dtype, shape, kind, None, layout)
+        entry._chunks, entry._table, entry._lo, entry._hi = None, table, lo, hi
+        return entry
 
+    @property
+    def chunks(self) -> list[Chunk]:
+        """The chunks, sorted by offsets (built from the table on first use)."""
+        if self._chunks is None:
+            assert self._table is not None
+            self._chunks = self._table.chunks(self._lo, self._hi)
+        return self._chunks
 
-@dataclass
-class TensorEntry:
-    """A logical tensor: dtype, global shape, kind, and the chunks that cover it."""
+    @chunks.setter
+    def chunks(self, value: list[Chunk]) -> None:
+        self._chunks, self._table = value, None
 
-    dtype: str
-    shape: tuple[int, ...]
-    kind: str = "replicated"
-    chunks: list[Chunk] = field(default_factory=list)
-    layout: dict[str, Any] | None = None  # the saving layout (mesh, placements), when sharded
+    @property
+    def chunk_count(self) -> int:
+        """Number of chunks (without building them)."""
+        return len(self._chunks) if self._chunks is not None else self._hi - self._lo
+
+    def chunks_meeting(self, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> list[Chunk]:
+        """The chunks whose boxes overlap the box ``offsets + lengths``; for a parsed entry
+        found with one vectorized test over the table, building only those chunks."""
+        if self._chunks is None and self._table is not None:
+            return [self._table.chunk(c) for c in self._table.meeting(self._lo, self._hi, offsets, lengths)]
+        ends = [o + n for o, n in zip(offsets, lengths)]
+        return [c for c in self.chunks if all(
+            co < e and co + cn > o and cn > 0 for co, cn, o, e in zip(c.offsets, c.lengths, offsets, ends))]
 
     def to_json(self) -> dict[str, Any]:
+        """A readable description with the chunks inline (tools and tests; files keep the
+        chunks in the manifest's chunk table)."""
         d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "kind": self.kind}
         if self.layout is not None:
             d["layout"] = self.layout
         d["chunks"] = [c.to_json() for c in self.chunks]
         return d
 
-    @staticmethod
-    def from_json(d: dict[str, Any]) -> TensorEntry:
-        return TensorEntry(
-            d["dtype"], tuple(d["shape"]), d.get("kind", "replicated"),
-            [Chunk.from_json(c) for c in d["chunks"]], d.get("layout"),
-        )
+    def __repr__(self) -> str:
+        return f"TensorEntry({self.dtype}, {list(self.shape)}, {self.kind}, {self.chunk_count} chunks)"
 
 
 @dataclass
@@ -110,21 +128,37 @@ class Manifest:
     version: tuple[int, int] = FORMAT_VERSION
 
     def to_bytes(self) -> bytes:
-        """Serialize with the integrity trailer; ``from_bytes`` is its inverse."""
+        """Serialize (in the current format version) with the integrity trailer;
+        ``from_bytes`` is its inverse."""
         with gc_paused():
             return self._to_bytes()
 
     def _to_bytes(self) -> bytes:
+        entries: dict[str, Any] = {}
+        every: list[Chunk] = []
+        for key, t in self.tensors.items():
+            chunks = t.chunks
+            d: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape), "kind": t.kind}
+            if t.layout is not None:
+                d["layout"] = t.layout
+            d["chunks"] = [len(every), len(chunks)]
+            entries[key] = d
+            every.extend(chunks)
+        block = self.extra.get("checksum_block", 1)
+        table = ChunkTable.from_chunks(every, block if type(block) is int and block > 0 else 1,
+                                       [f.rank for f in self.files])
         body = {
             "format": FORMAT_NAME,
-            "version": list(self.version),
+            # The layout written is always the current one; a parsed older manifest is upgraded.
+            "version": list(self.version if self.version[0] >= FORMAT_VERSION[0] else FORMAT_VERSION),
             "checksum_algorithm": ALGORITHM,
             "created": self.created,
             "writer": self.writer,
             "world_size": self.world_size,
             "extra": self.extra,
             "files": [f.to_json() for f in self.files],
-            "tensors": {k: t.to_json() for k, t in self.tensors.items()},
+            "tensors": entries,
+            "chunks": table.to_json(),
             "rank_local": self.rank_local,
             "tree": self.tree,
         }
@@ -134,7 +168,7 @@ class Manifest:
 
     @staticmethod
     def from_bytes(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
-        """Parse and verify a manifest; errors name ``where``."""
+        """Parse and verify a manifest (format 1.x or 2.x); errors name ``where``."""
         with gc_paused():
             return Manifest._from_bytes(data, where)
 
@@ -154,33 +188,45 @@ class Manifest:
         if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{where}: not a shardsafe manifest")
         version = body.get("version")
-        if not (isinstance(version, list) and len(version) == 2 and all(isinstance(v, int) for v in version)):
+        if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)):
             raise CorruptCheckpointError(f"{where}: bad format version {version!r}")
-        if version[0] != FORMAT_VERSION[0]:
+        if version[0] not in READABLE_MAJORS:
             raise FormatVersionError(
                 f"{where}: format version {version[0]}.{version[1]} is not readable by this shardsafe "
-                f"(reads {FORMAT_VERSION[0]}.x); upgrade shardsafe to load it"
+                f"(reads {', '.join(f'{m}.x' for m in READABLE_MAJORS)}); upgrade shardsafe to load it"
             )
         if body.get("checksum_algorithm") != ALGORITHM:
             raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {body.get('checksum_algorithm')!r}")
         try:
-            manifest = Manifest(
+            if not isinstance(body["files"], list):
+                raise CorruptCheckpointError("inconsistent manifest: files is not a list")
+            files = [FileEntry.from_json(f) for f in body["files"]]
+            world_size = body["world_size"]
+            extra = body.get("extra", {})
+            problem = _header_problem(world_size, extra, body.get("writer", {}), body.get("rank_local", {}), files)
+            if problem:
+                raise CorruptCheckpointError(f"{where}: inconsistent manifest: {problem}")
+            if version[0] == 1:
+                tensors_json, chunks_json = _v1_to_v2(body["tensors"])
+            else:
+                tensors_json, chunks_json = body["tensors"], body["chunks"]
+            tensors = _parse_tensors(tensors_json, chunks_json, files, extra["checksum_block"], where)
+            return Manifest(
                 tree=body["tree"],
-                tensors={k: TensorEntry.from_json(v) for k, v in body["tensors"].items()},
-                files=[FileEntry.from_json(f) for f in body["files"]],
-                world_size=body["world_size"],
+                tensors=tensors,
+                files=files,
+                world_size=world_size,
                 rank_local=body.get("rank_local", {}),
                 created=body.get("created", 0.0),
                 writer=body.get("writer", {}),
-                extra=body.get("extra", {}),
+                extra=extra,
                 version=(version[0], version[1]),
             )
-        except (KeyError, TypeError, IndexError, AttributeError) as exc:
+        except CorruptCheckpointError as exc:
+            msg = str(exc)
+            raise CorruptCheckpointError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+        except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:
             raise CorruptCheckpointError(f"{where}: a manifest field is missing or mistyped: {exc!r}") from None
-        problem = _structure_problem(manifest)
-        if problem:
-            raise CorruptCheckpointError(f"{where}: inconsistent manifest: {problem}")
-        return manifest
 
 
 def _count(v: Any) -> bool:
@@ -188,78 +234,113 @@ def _count(v: Any) -> bool:
     return type(v) is int and v >= 0
 
 
-def _chunk_ok(c: Chunk, shape: tuple[int, ...], ndim: int, nfiles: int, files: list[FileEntry],
-              size: int | None) -> bool:
-    """The fast check of one chunk (the slow path in _structure_problem explains failures)."""
-    offsets, lengths = c.offsets, c.lengths
-    if len(offsets) != ndim or len(lengths) != ndim:
-        return False
-    numel = 1
-    for o, n, s in zip(offsets, lengths, shape):
-        if type(o) is not int or type(n) is not int or o < 0 or n < 0 or o + n > s:
-            return False
-        numel *= n
-    f = c.file
-    if type(f) is not int or not 0 <= f < nfiles:
-        return False
-    start, end = c.start, c.end
-    fe = files[f]
-    if type(start) is not int or type(end) is not int or not fe.header_bytes <= start <= end <= fe.nbytes:
-        return False
-    if size is not None and end - start != numel * size:
-        return False
-    sums = c.checksum
-    if type(sums) is not list or not sums or not all(type(x) is str for x in sums):
-        return False
-    return type(c.rank) is int and c.rank >= 0
-
-
-def _structure_problem(m: Manifest) -> str | None:
-    """What makes a parsed manifest unusable, or None. Checks types and that every chunk
-    lies inside its tensor and, byte for byte, inside the data area of an existing file of
-    the checkpoint directory, so that no reader reads elsewhere or allocates on trust."""
-    from .dtypes import itemsize, torch_dtype
-
-    if not (_count(m.world_size) and m.world_size >= 1):
-        return f"world_size {m.world_size!r}"
-    for name, part in (("extra", m.extra), ("writer", m.writer), ("rank_local", m.rank_local)):
+def _header_problem(world_size: Any, extra: Any, writer: Any, rank_local: Any, files: list[FileEntry]) -> str | None:
+    """What is wrong with the manifest's top-level members and file list, or None."""
+    if not (_count(world_size) and world_size >= 1):
+        return f"world_size {world_size!r}"
+    for name, part in (("extra", extra), ("writer", writer), ("rank_local", rank_local)):
         if not isinstance(part, dict):
             return f"{name} is not an object"
-    for i, f in enumerate(m.files):
+    if not (_count(extra.get("checksum_block")) and extra["checksum_block"] > 0):
+        return f"extra.checksum_block {extra.get('checksum_block')!r} is not a positive integer"
+    for i, f in enumerate(files):
         if not (isinstance(f.name, str) and f.name not in ("", ".", "..") and not any(c in f.name for c in "/\\\0")):
             return f"file {i}: name {f.name!r} is not a plain file name"
         if not (_count(f.nbytes) and _count(f.rank) and _count(f.header_bytes) and 8 <= f.header_bytes <= f.nbytes):
             return f"file {f.name!r}: bad sizes (bytes {f.nbytes!r}, header_bytes {f.header_bytes!r})"
+        if not (_count(f.nbytes) and f.nbytes < _LIMIT):
+            return f"file {f.name!r}: size {f.nbytes} is out of range"
         if not isinstance(f.header_checksum, str):
             return f"file {f.name!r}: bad header checksum"
-    for key, t in m.tensors.items():
-        if not (isinstance(t.dtype, str) and isinstance(t.shape, tuple) and all(_count(s) for s in t.shape)):
-            return f"tensor '{key}': bad dtype {t.dtype!r} or shape {list(t.shape)!r}"
-        if t.kind not in KINDS or not isinstance(t.chunks, list) or not isinstance(t.layout, (dict, type(None))):
-            return f"tensor '{key}': bad kind, chunks or layout"
-        dtype = torch_dtype(t.dtype)
-        size = itemsize(dtype) if dtype is not None else None
-        ndim = len(t.shape)
-        nfiles = len(m.files)
-        for c in t.chunks:
-            if _chunk_ok(c, t.shape, ndim, nfiles, m.files, size):
-                continue
-            where = f"tensor '{key}', chunk at {list(c.offsets)!r}"
-            if not (
-                len(c.offsets) == len(c.lengths) == len(t.shape)
-                and all(_count(v) for v in c.offsets + c.lengths)
-                and all(o + n <= s for o, n, s in zip(c.offsets, c.lengths, t.shape))
-            ):
-                return f"{where}: box {list(c.offsets)}+{list(c.lengths)} is not inside shape {list(t.shape)}"
-            if not (type(c.file) is int and 0 <= c.file < len(m.files)):
-                return f"{where}: file index {c.file!r} is out of range"
-            f = m.files[c.file]
-            if not (_count(c.start) and _count(c.end) and f.header_bytes <= c.start <= c.end <= f.nbytes):
-                return f"{where}: byte range {c.start!r}-{c.end!r} is outside the data of {f.name}"
-            if size is not None and c.end - c.start != prod(c.lengths) * size:
-                return f"{where}: byte range {c.start}-{c.end} does not hold {prod(c.lengths)} {t.dtype} elements"
-            if not (isinstance(c.checksum, list) and c.checksum and all(isinstance(x, str) for x in c.checksum)):
-                return f"{where}: bad block checksums"
-            if not _count(c.rank):
-                return f"{where}: bad rank {c.rank!r}"
     return None
+
+
+_LIMIT = 1 << 62  # bound on sizes in bytes, so that int64 arithmetic cannot overflow
+
+
+def _parse_tensors(tensors_json: Any, chunks_json: Any, files: list[FileEntry], block: int,
+                   where: str) -> dict[str, TensorEntry]:
+    """Tensor entries over a validated chunk table (the rules are in docs/format.md)."""
+    from .dtypes import itemsize, torch_dtype
+
+    if not isinstance(tensors_json, dict):
+        raise CorruptCheckpointError("inconsistent manifest: tensors is not an object")
+    keys: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+    sizes: list[int] = []
+    firsts = [0]
+    heads: list[tuple[str, tuple[int, ...], str, Any]] = []
+    for key, t in tensors_json.items():
+        if not isinstance(t, dict):
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}' is not an object")
+        dtype, shape, kind, layout, span = t["dtype"], t["shape"], t.get("kind", "replicated"), t.get("layout"), \
+            t["chunks"]
+        if not (isinstance(dtype, str) and isinstance(shape, list) and all(_count(s) for s in shape)):
+            raise CorruptCheckpointError(
+                f"inconsistent manifest: tensor '{key}': bad dtype {dtype!r} or shape {shape!r}")
+        if kind not in KINDS or not isinstance(layout, (dict, type(None))):
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad kind or layout")
+        if not (isinstance(span, list) and len(span) == 2 and all(_count(v) for v in span) and span[0] == firsts[-1]):
+            raise CorruptCheckpointError(
+                f"inconsistent manifest: tensor '{key}': chunk range {span!r} does not follow the previous tensor's")
+        dt = torch_dtype(dtype)
+        size = itemsize(dt) if dt is not None else 0
+        shape_t = tuple(shape)
+        if prod(shape_t) * max(size, 1) >= _LIMIT:
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': shape {shape!r} is too large")
+        keys.append(key)
+        shapes.append(shape_t)
+        sizes.append(size)
+        firsts.append(span[0] + span[1])
+        heads.append((dtype, shape_t, kind, layout))
+    first_arr = np.array(firsts, dtype=np.int64)
+    ndim = np.repeat(np.array([len(s) for s in shapes], dtype=np.int64), np.diff(first_arr))
+    table = ChunkTable.from_json(chunks_json, ndim, block, [f.rank for f in files])
+    bad = table.problem(shapes, sizes, first_arr, np.array([f.header_bytes for f in files], dtype=np.int64),
+                        np.array([f.nbytes for f in files], dtype=np.int64), [f.name for f in files])
+    if bad is not None:
+        c, what = bad
+        if c < 0:
+            raise CorruptCheckpointError(f"inconsistent manifest: chunk table: {what}")
+        t = int(np.searchsorted(first_arr, c, side="right")) - 1
+        t = min(max(t, 0), len(keys) - 1)
+        raise CorruptCheckpointError(f"inconsistent manifest: tensor '{keys[t]}', chunk {c - firsts[t]}: {what}")
+    return {key: TensorEntry.in_table(*head, table, firsts[i], firsts[i + 1])
+            for i, (key, head) in enumerate(zip(keys, heads))}
+
+
+def _v1_to_v2(tensors: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Format 1.x keeps each tensor's chunks inline as objects; rewrite them as the
+    format-2 chunk table (the per-chunk rank, always the file's rank, is dropped)."""
+    if not isinstance(tensors, dict):
+        raise CorruptCheckpointError("inconsistent manifest: tensors is not an object")
+    out: dict[str, Any] = {}
+    o: list[Any] = []
+    n: list[Any] = []
+    f: list[Any] = []
+    b: list[Any] = []
+    x: list[str] = []
+    count = 0
+    for key, t in tensors.items():
+        chunks = t["chunks"]
+        if not isinstance(chunks, list):
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': chunks is not a list")
+        for c in chunks:
+            if not isinstance(c, dict):
+                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': a chunk is not an object")
+            if not (isinstance(c["o"], list) and isinstance(c["n"], list) and len(c["o"]) == len(c["n"])
+                    == len(t["shape"])):
+                raise CorruptCheckpointError(
+                    f"inconsistent manifest: tensor '{key}', chunk at {c['o']!r}: box does not match the shape's rank")
+            sums = c["x"]
+            if not (isinstance(sums, list) and sums and all(isinstance(s, str) and len(s) == 16 for s in sums)):
+                raise CorruptCheckpointError(
+                    f"inconsistent manifest: tensor '{key}', chunk at {c['o']!r}: bad block checksums")
+            o.extend(c["o"])
+            n.extend(c["n"])
+            f.append(c["f"])
+            b.extend(c["b"] if isinstance(c["b"], list) and len(c["b"]) == 2 else [None, None])
+            x.extend(sums)
+        out[key] = {**{k: v for k, v in t.items() if k != "chunks"}, "chunks": [count, len(chunks)]}
+        count += len(chunks)
+    return out, {"o": o, "n": n, "f": f, "b": b, "x": "".join(x)}

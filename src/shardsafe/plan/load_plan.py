@@ -83,10 +83,11 @@ def plan_reads(manifest: Manifest, fills: list[Fill], max_buffer: int = DEFAULT_
         size = itemsize(dtype)
         covered = 0
         if not fill.box.is_empty():
-            if len(entry.chunks) == 1 and fill.box.offsets == tuple(entry.chunks[0].offsets) and \
-                    fill.box.lengths == tuple(entry.chunks[0].lengths):
+            meeting = entry.chunks_meeting(fill.box.offsets, fill.box.lengths)
+            if len(meeting) == 1 and fill.box.offsets == meeting[0].offsets and \
+                    fill.box.lengths == meeting[0].lengths:
                 # The common case: one chunk that is exactly the destination box.
-                chunk = entry.chunks[0]
+                chunk = meeting[0]
                 t = fill.tensor
                 direct = t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
                 n = chunk.end - chunk.start
@@ -94,8 +95,8 @@ def plan_reads(manifest: Manifest, fills: list[Fill], max_buffer: int = DEFAULT_
                 if direct or n <= max_buffer:
                     continue
                 ops.pop()  # too large to stage at once: fall through to slabs
-            for chunk in entry.chunks:
-                cbox = Box(tuple(chunk.offsets), tuple(chunk.lengths))
+            for chunk in meeting:
+                cbox = Box(chunk.offsets, chunk.lengths)
                 part = intersect(fill.box, cbox)
                 if part is None:
                     continue
