@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -31,3 +33,14 @@ def byte_view(t: torch.Tensor) -> np.ndarray:
     if flat.numel() == 0:
         return np.empty(0, dtype=np.uint8)
     return flat.view(torch.uint8).numpy()
+
+
+def writable_bytes(t: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor as a writable byte memoryview (shares memory;
+    the caller keeps ``t`` alive while using it). Cheaper than :func:`byte_view` (one
+    ctypes call instead of three torch calls), which matters for thousands of tensors."""
+    assert t.device.type == "cpu" and t.is_contiguous()
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")

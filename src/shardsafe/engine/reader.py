@@ -11,8 +11,8 @@ from __future__ import annotations
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,7 +22,9 @@ from ..format.checksum import checksum
 from ..format.manifest import Chunk, Manifest
 from ..plan.load_plan import ReadOp
 from ..storage.local import read_into
-from .buffers import byte_view
+from .buffers import byte_view, writable_bytes
+
+Buffer = memoryview | np.ndarray  # writable bytes that a read lands in
 
 IOV_MAX = 1024
 MAP_WINDOW = 16 << 20  # mapped file pages count in RSS: keep two threads' windows small
@@ -97,8 +99,7 @@ def needed_blocks(op: ReadOp, block: int) -> list[int]:
     return sorted(out)
 
 
-@dataclass(frozen=True)
-class BlockCheck:
+class BlockCheck(NamedTuple):
     """One checksum block to verify: bytes [lo, hi) of file ``file`` must hash to ``expected``."""
 
     file: int
@@ -159,7 +160,7 @@ def _hash_window(files: OpenFiles, window: list[BlockCheck]) -> int:
     return hashed
 
 
-def _hash_landed(files: OpenFiles, op: ReadOp, target: np.ndarray, block: int) -> None:
+def _hash_landed(files: OpenFiles, op: ReadOp, target: Buffer, block: int) -> None:
     """Verify a whole chunk that has been read into ``target``."""
     chunk = op.chunk
     n = chunk.end - chunk.start
@@ -172,13 +173,13 @@ def _hash_landed(files: OpenFiles, op: ReadOp, target: np.ndarray, block: int) -
             raise _bad_block(files, op.fill.key, chunk, chunk.start + b * block, chunk.start + b * block + len(piece))
 
 
-def _direct_target(op: ReadOp) -> np.ndarray:
+def _direct_target(op: ReadOp) -> memoryview:
     """The slice of the destination's bytes that ``op`` fills directly."""
     lo, hi = op.dest_range  # type: ignore[misc]
-    return byte_view(op.fill.tensor)[lo:hi]
+    return writable_bytes(op.fill.tensor)[lo:hi]
 
 
-def _read_runs(files: OpenFiles, op: ReadOp, target: np.ndarray) -> None:
+def _read_runs(files: OpenFiles, op: ReadOp, target: Buffer) -> None:
     fd = files.fd(op.chunk.file)
     mv = memoryview(target)
     pos = 0
@@ -187,7 +188,7 @@ def _read_runs(files: OpenFiles, op: ReadOp, target: np.ndarray) -> None:
         pos += n
 
 
-def _read_batch(files: OpenFiles, batch: list[tuple[ReadOp, np.ndarray]]) -> None:
+def _read_batch(files: OpenFiles, batch: list[tuple[ReadOp, Buffer]]) -> None:
     """One preadv for ops whose single runs sit back to back in one file."""
     if len(batch) == 1:
         _read_runs(files, *batch[0])
@@ -206,11 +207,11 @@ def _read_batch(files: OpenFiles, batch: list[tuple[ReadOp, np.ndarray]]) -> Non
 BATCH_BYTES = 8 << 20
 
 
-def _batches(items: list[tuple[ReadOp, np.ndarray]]) -> list[list[tuple[ReadOp, np.ndarray]]]:
+def _batches(items: list[tuple[ReadOp, Buffer]]) -> list[list[tuple[ReadOp, Buffer]]]:
     """Group single-run ops on adjacent byte ranges of the same file into vectored reads
     of at most IOV_MAX buffers and about BATCH_BYTES (so that threads can share the work)."""
     items = sorted(items, key=lambda it: (it[0].chunk.file, it[0].runs[0][0] if it[0].runs else 0))
-    out: list[list[tuple[ReadOp, np.ndarray]]] = []
+    out: list[list[tuple[ReadOp, Buffer]]] = []
     size = 0
     for it in items:
         op = it[0]

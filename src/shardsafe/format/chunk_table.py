@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptCheckpointError
+from ..gcpause import gc_paused
 
 HEX = 16  # characters per XXH3-64 digest
 
@@ -37,9 +38,22 @@ class Chunk:
                 "b": [self.start, self.end], "x": self.checksum, "r": self.rank}
 
 
-def block_count(nbytes: int, block: int) -> int:
-    """Checksum blocks of a byte range of ``nbytes`` (an empty range has one, of no bytes)."""
-    return max(1, -(-nbytes // block))
+def table_json(chunks: Sequence[Chunk]) -> dict[str, Any]:
+    """The ``chunks`` member of a format-2 manifest for ``chunks`` (in table order), built
+    in one pass over them."""
+    o: list[int] = []
+    n: list[int] = []
+    f: list[int] = []
+    b: list[int] = []
+    x: list[str] = []
+    o_ext, n_ext, f_add, b_ext, x_ext = o.extend, n.extend, f.append, b.extend, x.extend
+    for c in chunks:
+        o_ext(c.offsets)
+        n_ext(c.lengths)
+        f_add(c.file)
+        b_ext((c.start, c.end))
+        x_ext(c.checksum)
+    return {"o": o, "n": n, "f": f, "b": b, "x": "".join(x)}
 
 
 def _ints(value: Any, n: int, what: str) -> np.ndarray:
@@ -82,32 +96,12 @@ class ChunkTable:
         self.dims = np.concatenate(([0], np.cumsum(ndim))).astype(np.int64)
         nblocks = np.maximum(1, -(-(end - start) // block))
         self.xs = np.concatenate(([0], np.cumsum(nblocks))).astype(np.int64)
+        self._lists: tuple[list[int], ...] | None = None
 
     def __len__(self) -> int:
         return len(self.file)
 
     # ------------------------------------------------------------------ building
-
-    @staticmethod
-    def from_chunks(chunks: list[Chunk], block: int, file_ranks: Sequence[int]) -> ChunkTable:
-        """The table of ``chunks`` (in order)."""
-        offsets = [o for c in chunks for o in c.offsets]
-        lengths = [n for c in chunks for n in c.lengths]
-        return ChunkTable(
-            np.array(offsets, dtype=np.int64), np.array(lengths, dtype=np.int64),
-            np.array([len(c.offsets) for c in chunks], dtype=np.int64),
-            np.array([c.file for c in chunks], dtype=np.int64),
-            np.array([c.start for c in chunks], dtype=np.int64),
-            np.array([c.end for c in chunks], dtype=np.int64),
-            "".join(x for c in chunks for x in c.checksum), block, file_ranks,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        """The ``chunks`` member of a format-2 manifest."""
-        se = np.empty(2 * len(self), dtype=np.int64)
-        se[0::2], se[1::2] = self.start, self.end
-        return {"o": self.offsets.tolist(), "n": self.lengths.tolist(), "f": self.file.tolist(),
-                "b": se.tolist(), "x": self.sums}
 
     @staticmethod
     def from_json(d: Any, ndim_per_chunk: np.ndarray, block: int, file_ranks: Sequence[int]) -> ChunkTable:
@@ -194,6 +188,8 @@ class ChunkTable:
 
     def chunk(self, c: int) -> Chunk:
         """Chunk ``c`` as an object."""
+        if self._lists is not None:
+            return self._chunk_from_lists(c)
         a, b = int(self.dims[c]), int(self.dims[c + 1])
         x0, x1 = int(self.xs[c]) * HEX, int(self.xs[c + 1]) * HEX
         f = int(self.file[c])
@@ -202,8 +198,21 @@ class ChunkTable:
                      [self.sums[i: i + HEX] for i in range(x0, x1, HEX)], self.file_ranks[f])
 
     def chunks(self, lo: int, hi: int) -> list[Chunk]:
-        """Chunks ``lo..hi-1`` as objects."""
-        return [self.chunk(c) for c in range(lo, hi)]
+        """Chunks ``lo..hi-1`` as objects (the first call turns the columns into Python
+        lists once, so that building many chunks costs no numpy call per chunk)."""
+        if self._lists is None:
+            self._lists = (self.offsets.tolist(), self.lengths.tolist(), self.dims.tolist(), self.xs.tolist(),
+                           self.file.tolist(), self.start.tolist(), self.end.tolist())
+        with gc_paused():
+            return [self._chunk_from_lists(c) for c in range(lo, hi)]
+
+    def _chunk_from_lists(self, c: int) -> Chunk:
+        offsets, lengths, dims, xs, file, start, end = self._lists  # type: ignore[misc]
+        a, b = dims[c], dims[c + 1]
+        sums = self.sums
+        f = file[c]
+        return Chunk(tuple(offsets[a:b]), tuple(lengths[a:b]), f, start[c], end[c],
+                     [sums[i: i + HEX] for i in range(xs[c] * HEX, xs[c + 1] * HEX, HEX)], self.file_ranks[f])
 
     def meeting(self, lo: int, hi: int, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> list[int]:
         """Indices in ``lo..hi-1`` (chunks of one tensor, all of rank ``len(offsets)``)
@@ -222,4 +231,4 @@ class ChunkTable:
         return (np.flatnonzero(hit) + lo).tolist()
 
 
-__all__ = ["Chunk", "ChunkTable", "block_count"]
+__all__ = ["Chunk", "ChunkTable", "table_json"]

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError, FormatVersionError
 from ..gcpause import gc_paused
 from .checksum import ALGORITHM, checksum
-from .chunk_table import Chunk, ChunkTable
+from .chunk_table import Chunk, ChunkTable, table_json
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "shardsafe"
@@ -75,7 +75,7 @@ class TensorEntry:
     def chunks_meeting(self, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> list[Chunk]:
         """The chunks whose boxes overlap the box ``offsets + lengths``; for a parsed entry
         found with one vectorized test over the table, building only those chunks."""
-        if self._chunks is None and self._table is not None:
+        if self._chunks is None and self._table is not None and self._hi - self._lo > 1:
             return [self._table.chunk(c) for c in self._table.meeting(self._lo, self._hi, offsets, lengths)]
         ends = [o + n for o, n in zip(offsets, lengths)]
         return [c for c in self.chunks if all(
@@ -144,9 +144,6 @@ class Manifest:
             d["chunks"] = [len(every), len(chunks)]
             entries[key] = d
             every.extend(chunks)
-        block = self.extra.get("checksum_block", 1)
-        table = ChunkTable.from_chunks(every, block if type(block) is int and block > 0 else 1,
-                                       [f.rank for f in self.files])
         body = {
             "format": FORMAT_NAME,
             # The layout written is always the current one; a parsed older manifest is upgraded.
@@ -158,7 +155,7 @@ class Manifest:
             "extra": self.extra,
             "files": [f.to_json() for f in self.files],
             "tensors": entries,
-            "chunks": table.to_json(),
+            "chunks": table_json(every),
             "rank_local": self.rank_local,
             "tree": self.tree,
         }

@@ -4,8 +4,10 @@ Planning is a pure function of the per-rank layouts that every rank gathered, so
 rank computes the same plan without further messages. Rules:
 
 - every distinct box of every tensor is written exactly once;
+- a box held by one rank only is written by that rank;
 - a box held by several ranks (replicated tensors, DTensor replicas) goes to the holder
-  with the least bytes so far, largest boxes first (ties: lowest rank);
+  with the least bytes so far (counting the single-holder boxes), largest boxes first
+  (ties: lowest rank);
 - a replicated tensor larger than 1/8 of the mean bytes per rank is first split into row
   ranges, so that no rank carries much more than its share;
 - a rank with nothing to write writes no file.
@@ -171,20 +173,32 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
                 work.append((part.numel * itemsizes[key], key, part, part == box, ranks))
         else:
             work.append((nbytes, key, box, whole, ranks))
-    work.sort(key=lambda w: (-w[0], w[1], w[2].offsets))
     load = [0] * world
     by_rank: list[list[Assignment]] = [[] for _ in range(world)]
-    heap = [(0, r) for r in range(world)]  # (load, rank); entries go stale when a rank's load changes
-    for nbytes, key, box, whole, ranks in work:
+    # Boxes with one holder have no choice: assigned first, in any order (no sort).
+    choice = []
+    for item in work:
+        if len(item[4]) == 1:
+            r = item[4][0]
+            load[r] += item[0]
+            by_rank[r].append(Assignment(item[1], item[2], item[3]))
+        else:
+            choice.append(item)
+    choice.sort(key=lambda w: (-w[0], w[1], w[2].offsets))
+    heap = [(load[r], r) for r in range(world)]  # (load, rank); stale once a rank's load changes
+    heapq.heapify(heap)
+    for nbytes, key, box, whole, ranks in choice:
         if len(ranks) == world:
             while True:
                 lo, r = heapq.heappop(heap)
                 if lo == load[r]:
                     break
+                heapq.heappush(heap, (load[r], r))  # stale: requeue at its current load
+            load[r] += nbytes
+            heapq.heappush(heap, (load[r], r))
         else:
             r = min(ranks, key=lambda x: (load[x], x))
-        load[r] += nbytes
-        heapq.heappush(heap, (load[r], r))
+            load[r] += nbytes
         by_rank[r].append(Assignment(key, box, whole))
     for items in by_rank:
         items.sort(key=lambda a: (a.key, a.box.offsets))
