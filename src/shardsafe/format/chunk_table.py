@@ -203,7 +203,9 @@ class ChunkTable:
         if self._lists is None:
             self._lists = (self.offsets.tolist(), self.lengths.tolist(), self.dims.tolist(), self.xs.tolist(),
                            self.file.tolist(), self.start.tolist(), self.end.tolist())
-        with gc_paused():
+        if hi - lo < 1024:
+            return [self._chunk_from_lists(c) for c in range(lo, hi)]
+        with gc_paused():  # many new objects: no collections while they pile up
             return [self._chunk_from_lists(c) for c in range(lo, hi)]
 
     def _chunk_from_lists(self, c: int) -> Chunk:

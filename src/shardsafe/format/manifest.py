@@ -28,6 +28,9 @@ _TRAILER = b', "manifest_xxh3_64": "'
 KINDS = ("replicated", "sharded", "rank_local")
 
 
+_VECTOR_MIN = 64  # below this many chunks a Python loop beats numpy's per-call overhead
+
+
 class TensorEntry:
     """A logical tensor: dtype, global shape, kind, and the chunks that cover it.
 
@@ -75,7 +78,7 @@ class TensorEntry:
     def chunks_meeting(self, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> list[Chunk]:
         """The chunks whose boxes overlap the box ``offsets + lengths``; for a parsed entry
         found with one vectorized test over the table, building only those chunks."""
-        if self._chunks is None and self._table is not None and self._hi - self._lo > 1:
+        if self._chunks is None and self._table is not None and self._hi - self._lo > _VECTOR_MIN:
             return [self._table.chunk(c) for c in self._table.meeting(self._lo, self._hi, offsets, lengths)]
         ends = [o + n for o, n in zip(offsets, lengths)]
         return [c for c in self.chunks if all(

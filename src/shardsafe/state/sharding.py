@@ -9,6 +9,8 @@ shards follow torch's rules exactly.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -126,13 +128,29 @@ def pieces_for(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord
                                                tuple(placements)))
 
 
+_MESH_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _mesh_facts(mesh: Any) -> tuple[tuple[int, ...], list[int] | None]:
+    """(shape, this rank's coordinate) of a device mesh, computed once per mesh (both are
+    fixed for a mesh's life; asking torch costs ~20 us, times thousands of DTensors)."""
+    try:
+        return _MESH_FACTS[mesh]
+    except (KeyError, TypeError):
+        pass
+    coord = mesh.get_coordinate()
+    facts = (tuple(mesh.shape), None if coord is None else list(coord))
+    with contextlib.suppress(TypeError):
+        _MESH_FACTS[mesh] = facts
+    return facts
+
+
 def dtensor_pieces(t: Any) -> list[Piece]:
     """The pieces of this rank's local tensor of DTensor ``t``."""
-    mesh = t.device_mesh
-    coord = mesh.get_coordinate()
+    mesh_shape, coord = _mesh_facts(t.device_mesh)
     if coord is None:
         return []
-    return pieces_for(tuple(t.shape), tuple(mesh.shape), list(coord), tuple(t.placements))
+    return pieces_for(tuple(t.shape), mesh_shape, coord, tuple(t.placements))
 
 
 def replica_group(t: Any) -> tuple[int, ...]:
