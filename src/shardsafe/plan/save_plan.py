@@ -20,6 +20,7 @@ import heapq
 import json
 from dataclasses import dataclass, field
 from math import ceil, prod
+from typing import NamedTuple
 
 import torch
 
@@ -55,8 +56,7 @@ class TensorLayout:
         return TensorLayout(key, dtype, tuple(shape), itemsize, kind, [Box(tuple(o), tuple(n)) for o, n in boxes])
 
 
-@dataclass(frozen=True)
-class Assignment:
+class Assignment(NamedTuple):
     """Rank ``rank`` writes ``box`` of tensor ``key``."""
 
     key: str
@@ -184,7 +184,9 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
             by_rank[r].append(Assignment(item[1], item[2], item[3]))
         else:
             choice.append(item)
-    choice.sort(key=lambda w: (-w[0], w[1], w[2].offsets))
+    # Largest first; equal sizes keep their order, which is the same on every rank (the
+    # gathered layouts are), so comparing sizes alone is enough for a deterministic plan.
+    choice.sort(key=lambda w: -w[0])
     heap = [(load[r], r) for r in range(world)]  # (load, rank); stale once a rank's load changes
     heapq.heapify(heap)
     for nbytes, key, box, whole, ranks in choice:
@@ -200,8 +202,11 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
             r = min(ranks, key=lambda x: (load[x], x))
             load[r] += nbytes
         by_rank[r].append(Assignment(key, box, whole))
+    # Files hold their chunks in key order (then offsets); keys compared by rank in the
+    # sorted key list, which is cheaper than comparing the strings in every sort.
+    order = {k: i for i, k in enumerate(sorted(tensors))}
     for items in by_rank:
-        items.sort(key=lambda a: (a.key, a.box.offsets))
+        items.sort(key=lambda a: (order[a.key], a.box.offsets))
     return GlobalPlan(world, tensors, by_rank, load)
 
 
