@@ -177,8 +177,15 @@ def dest_like(tag: str = "") -> dict:
 STAGING = [pytest.param(None, id="pool-default"), pytest.param(MiB, id="pool-1MiB")]
 
 
+@pytest.mark.parametrize("parallel", [pytest.param(False, id="caller-copies"), pytest.param(True, id="split-copies")])
 @pytest.mark.parametrize("max_staging", STAGING)
-def test_async_equals_sync_bitwise(tmp_path, max_staging):
+def test_async_equals_sync_bitwise(tmp_path, monkeypatch, max_staging, parallel):
+    if parallel:  # slot copies split over threads even for this small state
+        monkeypatch.setattr(staging, "PARALLEL_MIN", 0)
+        monkeypatch.setattr(staging.os, "cpu_count", lambda: 3)
+        monkeypatch.setattr(staging, "COPY_THREADS", 3)
+    else:
+        monkeypatch.setattr(staging, "PARALLEL_MIN", 1 << 62)
     state = mixed_state()
     ref = snapshot(state)
     shardsafe.save(state, tmp_path / "sync")
@@ -207,6 +214,21 @@ def test_async_equals_sync_bitwise(tmp_path, max_staging):
     for (key, _offsets), (_lengths, data) in cb.items():
         assert data == raw(flat[key]), f"{key}: bytes on disk differ from the tensor's"
     assert entries(tmp_path) == ["async", "sync"], "a temporary directory was left behind"
+
+
+def test_split_copies_covers_every_byte_in_order():
+    """Slot copies cut into parts of equal size: in order, nothing lost or repeated."""
+    src = torch.arange(17, dtype=torch.uint8)
+    dst = torch.zeros(17, dtype=torch.uint8)
+    cuts = [(0, 5), (5, 5), (5, 12), (12, 13), (13, 17)]
+    pairs = [(dst[a:b], src[a:b]) for a, b in cuts]
+    parts = staging._split_copies(pairs, 3)
+    assert [sum(d.numel() for d, _ in p) for p in parts] == [6, 6, 5]
+    order = [(d.data_ptr() - dst.data_ptr(), d.numel()) for p in parts for d, _ in p]
+    assert order == [(0, 5), (5, 1), (6, 6), (12, 1), (13, 4)]
+    for p in parts:
+        staging._copy_all(p)
+    assert torch.equal(dst, src)
 
 
 def test_pool_bound_below_minimum_is_raised_to_1MiB(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,32 @@ from ..storage.local import write_all
 from .buffers import byte_view, resolved
 
 DEFAULT_SLOT = 64 << 20
+COPY_THREADS = 4  # at most this many threads copy a slot (the caller included)
+PARALLEL_MIN = 8 << 20  # smaller states are staged by the caller alone
 MIN_POOL = 1 << 20  # smaller bounds are raised to this: slots of a few bytes only cost time
+
+
+def _split_copies(pairs: list[tuple[torch.Tensor, torch.Tensor]], parts: int) -> list[list[tuple]]:
+    """Cut (dst, src) byte-view pairs into ``parts`` lists of about equal byte counts."""
+    total = sum(d.numel() for d, _ in pairs)
+    share = max(1, -(-total // parts))
+    out: list[list[tuple]] = [[] for _ in range(parts)]
+    i, room = 0, share
+    for dst, src in pairs:
+        off, n = 0, dst.numel()
+        while off < n:
+            take = n - off if i == parts - 1 else min(n - off, room)
+            out[i].append((dst[off: off + take], src[off: off + take]))
+            off += take
+            room -= take
+            if room == 0 and i < parts - 1:
+                i, room = i + 1, share
+    return out
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
 
 
 class StagingPool:
@@ -143,12 +169,18 @@ class StagedWriter:
     def stage(self) -> None:
         """Copy every chunk's bytes into slots in file order; returns when all are staged.
 
-        When the pool holds the whole file, the writer starts only after staging, so the
-        two do not compete for memory bandwidth and cores while the caller waits."""
+        Host-to-host copies of one slot are split over the machine's cores (the caller is
+        blocked anyway, so the cores would idle). When the pool holds the whole file, the
+        writer starts only after staging, so the two do not compete for memory bandwidth
+        and cores while the caller waits."""
         slot_i: int | None = None
         pos = 0
         file_pos = self.spec.ranges[0][0] if self.spec.ranges else len(self.spec.header)
         slot_start = file_pos
+        total = self.spec.ranges[-1][1] - file_pos if self.spec.ranges else 0
+        threads = 1 if self.cuda or total < PARALLEL_MIN else min(COPY_THREADS, os.cpu_count() or 1)
+        copier = ThreadPoolExecutor(threads - 1, thread_name_prefix="shardsafe-stage") if threads > 1 else None
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # copies into the current slot
         try:
             for item, (start, _end) in zip(self.spec.items, self.spec.ranges):
                 assert start == file_pos
@@ -160,23 +192,45 @@ class StagedWriter:
                             slot_i, pos, slot_start = self._take(), 0, file_pos
                         slot = self.slot_views[slot_i]
                         take = min(n - done, slot.numel() - pos)
-                        slot[pos: pos + take].copy_(piece[done: done + take], non_blocking=self.cuda)
+                        pending.append((slot[pos: pos + take], piece[done: done + take]))
                         pos += take
                         done += take
                         file_pos += take
                         if pos == slot.numel():
+                            self._copy(pending, copier, threads)
                             self._submit(slot_i, slot_start, pos)
                             slot_i = None
             if slot_i is not None:
                 if pos:
+                    self._copy(pending, copier, threads)
                     self._submit(slot_i, slot_start, pos)
                 else:
                     self.free.put(slot_i)
             if self.cuda:
                 torch.cuda.current_stream().synchronize()
         finally:
+            if copier is not None:
+                copier.shutdown(wait=True)
             self.full.put(None)
             self.go.set()
+
+    def _copy(self, pending: list[tuple[torch.Tensor, torch.Tensor]], copier: ThreadPoolExecutor | None,
+              threads: int) -> None:
+        """Run (and clear) the byte copies into one slot, split into ``threads`` parts of
+        equal size: the caller copies the first, the copier's threads the others."""
+        if copier is None:
+            for dst, src in pending:
+                dst.copy_(src, non_blocking=self.cuda)
+            pending.clear()
+            return
+        parts = _split_copies(pending, threads)
+        pending.clear()
+        futures = [copier.submit(_copy_all, part) for part in parts[1:]]
+        try:
+            _copy_all(parts[0])
+        finally:
+            for f in futures:
+                f.result()
 
     def _pieces(self, item: WriteItem, limit: int):
         """Contiguous uint8 views of an item's bytes in row-major order, each of at most
