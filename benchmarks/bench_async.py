@@ -12,17 +12,17 @@ Method (one process, single-threaded torch: torch.set_num_threads(1))
       - copy_      : ``dst.copy_(src)`` of every tensor into preallocated buffers (the
                      floor for any save that snapshots host memory);
       - ss async   : ``shardsafe.AsyncSaver().save`` (one saver for the whole run, so its
-                     staging pool is reused; its first, pool-allocating save is a warm-up);
+                     staging pool is reused; its first, pool-allocating save is a warm-up).
+                     Its default pool holds the whole state, so the writer starts after
+                     staging, and each slot's copies are split over the cores (the loop is
+                     blocked anyway), while copy_ runs on one thread: the stall can be
+                     below the copy_ floor;
       - ss sync    : ``shardsafe.save``;
       - dcp async  : ``torch.distributed.checkpoint.async_save(..., no_dist=True)`` — on
                      torch 2.13 it needs no process group when no_dist=True (thread
                      executor, default stager: a fresh CPU deep copy per call);
       - dcp sync   : ``torch.distributed.checkpoint.save(..., no_dist=True)``.
     For the async contenders the time until the checkpoint is durable is reported too.
-    Diagnostic row "ss async*" (not a target): the same shardsafe async save with
-    StagingPool.slots monkeypatched to cut ceil(capacity / 64 MiB) slots instead of floor
-    (src/ unchanged): the default pool then holds the whole state, so staging ends before
-    the writer starts, as it already does when the size is a multiple of the slot.
     After every contender (untimed): wait until durable, ``os.sync()``, delete the files,
     so dirty pages of one contender do not slow the next. Ratios are computed per
     repetition (paired) and the median over repetitions is reported.
@@ -82,34 +82,6 @@ def make_state(n: int, numel: int) -> dict[str, torch.Tensor]:
     state = {f"t{i:02d}": torch.rand(numel, generator=g) for i in range(n)}
     state["bias"] = torch.rand(4097, generator=g)
     return state
-
-
-class CeilSlotsPatch:
-    """Experiment, not shipped behaviour: ``StagingPool.slots`` cuts the pool into
-    ceil(capacity / slot) slots (the last one shorter) instead of floor(capacity / slot),
-    so a default pool covers the whole state and StagedWriter stages it all before the
-    writer starts. Monkeypatches shardsafe.engine.staging.StagingPool; src/ is unchanged."""
-
-    def __init__(self) -> None:
-        from shardsafe.engine import staging
-
-        self.staging = staging
-        self.orig = staging.StagingPool.slots
-
-    def __enter__(self) -> CeilSlotsPatch:
-        orig, default_slot = self.orig, self.staging.DEFAULT_SLOT
-
-        def slots(pool: Any, capacity: int, pin: bool) -> list[torch.Tensor]:
-            orig(pool, capacity, pin)  # (re)allocates the buffer exactly as shipped
-            capacity = max(capacity, 2)
-            size = max(1, min(default_slot, -(-capacity // 2)))
-            return [pool.buffer[i * size: min((i + 1) * size, capacity)] for i in range(-(-capacity // size))]
-
-        self.staging.StagingPool.slots = slots
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.staging.StagingPool.slots = self.orig
 
 
 def settle(*paths: Path) -> None:
@@ -230,7 +202,7 @@ class Trainer:
 # --------------------------------------------------------------------------- parts
 
 
-def bench_stalls(work: Path, state: dict, reps: int, saver: shardsafe.AsyncSaver, experiment: bool) -> dict:
+def bench_stalls(work: Path, state: dict, reps: int, saver: shardsafe.AsyncSaver) -> dict:
     tensors = list(state.values())
     bufs = [torch.empty_like(t) for t in tensors]
     for b in bufs:
@@ -251,10 +223,6 @@ def bench_stalls(work: Path, state: dict, reps: int, saver: shardsafe.AsyncSaver
         total = time.perf_counter() - t0
         settle(p)
         return stall, total
-
-    def ss_async_ceil_slots() -> tuple[float, float]:
-        with CeilSlotsPatch():
-            return ss_async()
 
     def ss_sync() -> tuple[float, float]:
         p = work / "ss_sync"
@@ -284,8 +252,6 @@ def bench_stalls(work: Path, state: dict, reps: int, saver: shardsafe.AsyncSaver
 
     contenders = {"copy_": copy_floor, "ss async": ss_async, "ss sync": ss_sync, "dcp async": dcp_async,
                   "dcp sync": dcp_sync}
-    if experiment:
-        contenders["ss async*"] = ss_async_ceil_slots
     # Warm-up (untimed in the medians): the pool allocation of the first async save,
     # DCP's first-call setup, page faults of the copy buffers.
     cold = {name: contenders[name]() for name in ("copy_", "ss async", "dcp async")}
@@ -299,7 +265,6 @@ def bench_stalls(work: Path, state: dict, reps: int, saver: shardsafe.AsyncSaver
         print(f"  stalls rep {r + 1}/{reps}: " + ", ".join(f"{k} {ms(runs[k][-1][0])}" for k in names), flush=True)
     per_rep_copy = [runs["ss async"][i][0] / runs["copy_"][i][0] for i in range(reps)]
     per_rep_dcp = [runs["ss async"][i][0] / runs["dcp async"][i][0] for i in range(reps)]
-    per_rep_experiment = [runs["ss async*"][i][0] / runs["copy_"][i][0] for i in range(reps)] if experiment else []
     return {
         "cold_first_save": {k: {"stall_s": v[0], "durable_s": v[1]} for k, v in cold.items()},
         "runs": {k: [{"stall_s": s, "durable_s": d} for s, d in v] for k, v in runs.items()},
@@ -307,7 +272,6 @@ def bench_stalls(work: Path, state: dict, reps: int, saver: shardsafe.AsyncSaver
         "median_durable_s": {k: median([d for _, d in v]) for k, v in runs.items()},
         "ratio_ss_async_to_copy": median(per_rep_copy),
         "ratio_ss_async_to_dcp_async": median(per_rep_dcp),
-        "ratio_ss_async_ceil_slots_to_copy": median(per_rep_experiment),
         "ratio_ss_async_to_copy_per_rep": per_rep_copy,
         "ratio_ss_async_to_dcp_async_per_rep": per_rep_dcp,
     }
@@ -408,7 +372,6 @@ def main() -> int:
     ap.add_argument("--rss-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                     help="parent directory for the RSS part's checkpoints (default /dev/shm: tmpfs keeps 20 x "
                          "1 GiB saves fast; tmpfs pages are not in the process's RSS)")
-    ap.add_argument("--no-experiment", action="store_true", help="skip the ss async* (ceil slots) experiment")
     args = ap.parse_args()
     reps = args.reps or (1 if args.quick else 3)
     rss_saves = args.rss_saves or (5 if args.quick else 20)
@@ -428,7 +391,7 @@ def main() -> int:
             info = machine_info(work)
             print(f"state: {n} x {numel * 4 // MiB} MiB float32 + 4097 floats = {nbytes} bytes; dir {work} "
                   f"({info['fstype']} on {info['device']}); {info['cpus']} CPUs; load avg {load_start}", flush=True)
-            stalls = bench_stalls(work, state, reps, saver, not args.no_experiment)
+            stalls = bench_stalls(work, state, reps, saver)
             training = bench_training(work, state, max(3, reps), saver, writer)
             with bench_dir(args.rss_dir or args.dir, prefix="shardsafe-bench-async-rss-") as rss_work:
                 rss = bench_rss(rss_work, state, rss_saves, saver)
@@ -441,7 +404,7 @@ def main() -> int:
     ms_stall = stalls["median_stall_s"]
     dur = stalls["median_durable_s"]
     rows = []
-    for k in ("copy_", "ss async", "ss sync", "dcp async", "dcp sync", "ss async*"):
+    for k in ("copy_", "ss async", "ss sync", "dcp async", "dcp sync"):
         if k not in ms_stall:
             continue
         rows.append([k, ms(ms_stall[k]), ms(dur[k]) if k != "copy_" else "-",
@@ -449,10 +412,6 @@ def main() -> int:
     print()
     print(f"Stall per save (median of {reps} interleaved reps; {nbytes / 2**30:.2f} GiB state)")
     print(md_table(["contender", "stall", "durable", "stall / copy_", "GB/s blocked"], rows))
-    if "ss async*" in ms_stall:
-        print("ss async* = experiment: shardsafe async with StagingPool.slots cutting ceil(capacity/slot) slots "
-              f"(monkeypatched; not the shipped behaviour): stall {stalls['ratio_ss_async_ceil_slots_to_copy']:.2f}x "
-              "copy_ (paired median)")
     cold = stalls["cold_first_save"]
     print(f"first (cold) saves: ss async stall {ms(cold['ss async']['stall_s'])} (allocates the pool), "
           f"dcp async stall {ms(cold['dcp async']['stall_s'])}, copy_ {ms(cold['copy_']['stall_s'])}")
