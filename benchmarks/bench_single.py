@@ -16,10 +16,15 @@ Method
     goes to a fresh path that is deleted afterwards (outside the timed region).
   * Loads are warm-page-cache measurements (one untimed read of every file first; the
     page cache is not dropped). In-place loads fill one preallocated destination dict.
-  * Checksum cost: xxh3_64 over 1 MiB blocks of the state (shardsafe's own
-    engine.writer.block_checksums), single-threaded, as a share of the shardsafe save
-    time; plus a shardsafe save with checksums disabled by monkeypatching
-    engine.writer.block_checksums (src/ is not modified).
+  * Checksum cost (the target): what checksums add to save time = 1 - save without
+    checksums / save, paired per repetition, measured with fsync off (with fsync the
+    disk's time swamps and hides it); checksums are disabled by monkeypatching
+    engine.writer.block_checksums (src/ is not modified). Shown beside it: the same with
+    fsync on, and xxh3_64 over 1 MiB blocks of the state on one thread as a share of the
+    save time (the cost if hashing were not overlapped with writing).
+  * Load ceiling: "torch.load mmap=True + copy_ to dest" does nothing but the one copy
+    from the page cache into the destination that any in-place load needs; its speed-up
+    over DCP bounds what any in-place loader can reach on this machine.
   * Peak RSS of a load: in a fresh child process per measurement; the kernel high-water
     mark (VmHWM, reset through /proc/self/clear_refs right before the load) is the
     primary number, cross-checked by a 1 ms psutil-free /proc/self/statm sampling thread.
@@ -81,9 +86,9 @@ TARGETS = {
     "dcp_save_over_ss": ("info", None, "DCP save time / shardsafe save time"),
     "load_speedup_vs_dcp": (">=", 4.0, "shardsafe load speedup vs DCP load"),
     "load_vs_raw": (">=", 0.6, "shardsafe load / raw read throughput"),
-    "csum_share": ("<=", 0.15, "xxh3 (1 thread) time / shardsafe save time"),
+    "csum_share": ("info", None, "xxh3 (1 thread) time / shardsafe save time (if hashing were serialized)"),
     "nocsum_saving": ("info", None, "1 - save(no checksums) / save"),
-    "nofsync_hash_overhead": ("info", None, "[no fsync] 1 - save(no checksums) / save"),
+    "nofsync_hash_overhead": ("<=", 0.15, "checksum cost: [no fsync] 1 - save(no checksums) / save"),
     "nofsync_vs_raw": ("info", None, "[no fsync] shardsafe save / raw write throughput"),
 }
 PCT = ("csum_share", "nocsum_saving", "nofsync_hash_overhead")
@@ -448,6 +453,8 @@ def run(work: Path, reps: int, states: dict, args: argparse.Namespace) -> int:
             "nofsync_vs_raw": paired(s["[no fsync] raw pwritev"], s["[no fsync] shardsafe.save"]),
             # secondary: the same ratios for verify=False
             "load_speedup_vs_dcp_noverify": paired(ld["DCP load"], ld["shardsafe.load verify=False"]),
+            # the ceiling of any in-place load here: one copy from the page cache, nothing else
+            "load_speedup_vs_dcp_copy_floor": paired(ld["DCP load"], ld["torch.load mmap=True + copy_ to dest"]),
             "load_vs_raw_noverify": paired(ld["raw preadv"], ld["shardsafe.load verify=False"]),
         }
         results["states"][c.name] = {
@@ -496,7 +503,7 @@ def run(work: Path, reps: int, states: dict, args: argparse.Namespace) -> int:
         else:
             ok = all(verdicts)
             all_pass &= ok
-            goal_s = f"{op} {goal * 100:.0f}%" if tk == "csum_share" else f"{op} {goal}"
+            goal_s = f"{op} {goal * 100:.0f}%" if tk in PCT else f"{op} {goal}"
             row += [goal_s, "PASS" if ok else "FAIL (" + ",".join(
                 c.name for c, v in zip(cases, verdicts) if not v) + ")"]
         results["targets"][tk] = {
@@ -506,6 +513,7 @@ def run(work: Path, reps: int, states: dict, args: argparse.Namespace) -> int:
         }
         trows.append(row)
     for extra, desc in (("load_speedup_vs_dcp_noverify", "(verify=False) load speedup vs DCP"),
+                        ("load_speedup_vs_dcp_copy_floor", "(copy floor: mmap + copy_ into dest) speedup vs DCP"),
                         ("load_vs_raw_noverify", "(verify=False) load / raw read")):
         trows.append([desc] + [f"{median(ratios[c.name][extra]):.2f}" for c in cases] + ["", "info"])
     print(md_table(["ratio"] + [f"state {c.name}" for c in cases] + ["goal", "verdict"], trows, "lrrrrl"))
