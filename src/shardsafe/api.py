@@ -46,7 +46,7 @@ from .plan.save_plan import (
     plan_global,
 )
 from .state.match import Matcher
-from .state.sharding import dtensor_pieces, is_dtensor, layout_of
+from .state.sharding import dtensor_pieces, is_dtensor, layout_of, local_of
 from .state.tree import FlatState, flatten, join_key, saved_items, saved_sequence
 from .storage import local
 
@@ -91,7 +91,7 @@ def _local_layout(flat: FlatState) -> tuple[list[TensorLayout], dict[tuple[str, 
     for key, t in flat.tensors.items():
         name = dtype_name(t.dtype, key)
         if is_dtensor(t):
-            local_t = t.to_local()
+            local_t = local_of(t)
             pieces = dtensor_pieces(t)
             boxes = [p.box for p in pieces]
             for p in pieces:

@@ -34,7 +34,7 @@ from ..format.dtypes import torch_dtype
 from ..format.manifest import Manifest
 from ..format.values import decode
 from ..layout import Box
-from .sharding import dtensor_pieces, is_dtensor
+from .sharding import dtensor_pieces, is_dtensor, local_of
 from .tree import RankLocal, is_stateful, join_key, saved_items, saved_ref, saved_sequence
 
 
@@ -75,10 +75,7 @@ def tensor_view(t: torch.Tensor) -> tuple[list[tuple[torch.Tensor, Box]], tuple[
     A plain tensor is one view of the whole; a DTensor gives the pieces its local tensor
     holds on this rank (none when this rank holds nothing)."""
     if is_dtensor(t):
-        # The local tensor itself (to_local() is an autograd op, ~50 us a call); detach():
-        # same storage, and in-place writes are allowed.
-        local = getattr(t, "_local_tensor", None)
-        local = (local if isinstance(local, torch.Tensor) else t.to_local()).detach()
+        local = local_of(t)
         views = [(local[p.local_slices], p.box) for p in dtensor_pieces(t)]
         return views, tuple(t.shape), local.dtype
     return [(t.detach(), Box.whole(t.shape))], tuple(t.shape), t.dtype
