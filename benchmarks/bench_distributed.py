@@ -640,13 +640,13 @@ def summarize(res: dict) -> tuple[str, dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 3; 1 with --quick)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5; 1 with --quick)")
     ap.add_argument("--quick", action="store_true", help="small model, for a smoke run")
     ap.add_argument("--dir", default=None, help="parent of the temporary work directory (default /tmp)")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "bench_distributed.json"), help="JSON output")
     ap.add_argument("--reshard-to", type=int, default=2, help="world size that part 2 loads at (default 2)")
     args = ap.parse_args()
-    reps = args.reps if args.reps is not None else (1 if args.quick else 3)
+    reps = args.reps if args.reps is not None else (1 if args.quick else 5)
     cfg = QUICK if args.quick else FULL
     warnings.filterwarnings("ignore")
     t0 = time.perf_counter()

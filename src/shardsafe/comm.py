@@ -48,15 +48,36 @@ class Comm:
         return box[0]
 
     def agree(self, error: BaseException | None) -> None:
-        """Raise the same CheckpointError on every rank when any rank had an error."""
+        """Raise the same CheckpointError on every rank when any rank had an error.
+
+        Plain tensor collectives, no object pickling: one all-reduce of a flag when every
+        rank succeeded (the common case), and an all-gather of the error descriptions
+        only when one failed (the lowest failing rank's error is raised everywhere)."""
         if not self.distributed:
             if error is not None:
                 raise error
             return
-        mine = None if error is None else describe(error, self.rank)
-        found = [e for e in self.all_gather(mine) if e is not None]
+        import torch
+
+        device = self._device()
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if int(flag.item()) == 0:
+            return
+        mine = _encode(None if error is None else describe(error, self.rank), ERROR_BYTES).to(device)
+        bufs = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(bufs, mine, group=self.group)
+        found = [d for d in (_decode(b.cpu()) for b in bufs) if d is not None]
         if found:
             raise rebuild(found[0]) from error
+
+    def _device(self) -> str:
+        """Where this group's collectives need their tensors (NCCL: the current GPU)."""
+        if dist.get_backend(self.group) == "nccl":
+            import torch
+
+            return f"cuda:{torch.cuda.current_device()}"
+        return "cpu"
 
     def broadcast_status(self, status: tuple[str, str] | None) -> tuple[str, str] | None:
         """Rank 0's status (None = success, else an error description) on every rank.
@@ -65,27 +86,35 @@ class Comm:
         at most STATUS_BYTES of UTF-8."""
         if not self.distributed:
             return status
-        import torch
-
-        device = "cpu"
-        if dist.get_backend(self.group) == "nccl":
-            device = f"cuda:{torch.cuda.current_device()}"
-        buf = torch.zeros(STATUS_BYTES, dtype=torch.uint8)
-        if self.rank == 0 and status is not None:
-            data = f"{status[0]}\n{status[1]}".encode()[: STATUS_BYTES - 1]
-            buf[0] = 1
-            buf[1: 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        buf = buf.to(device)
+        buf = _encode(status if self.rank == 0 else None).to(self._device())
         dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group)
-        buf = buf.cpu()
-        if int(buf[0]) == 0:
-            return None
-        text = bytes(buf[1:].numpy()).rstrip(b"\0").decode("utf-8", "replace")
-        name, _, message = text.partition("\n")
-        return name, message
+        return _decode(buf.cpu())
 
 
 STATUS_BYTES = 4096
+ERROR_BYTES = 64 << 10  # error descriptions gathered only when a rank failed
+
+
+def _encode(status: tuple[str, str] | None, size: int = STATUS_BYTES) -> Any:
+    """A status as a ``size``-byte uint8 tensor: byte 0 says whether there is one, then
+    "name\nmessage" in UTF-8 (cut to fit)."""
+    import torch
+
+    buf = torch.zeros(size, dtype=torch.uint8)
+    if status is not None:
+        data = f"{status[0]}\n{status[1]}".encode()[: size - 1]
+        buf[0] = 1
+        buf[1: 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf
+
+
+def _decode(buf: Any) -> tuple[str, str] | None:
+    """The inverse of :func:`_encode`."""
+    if int(buf[0]) == 0:
+        return None
+    text = bytes(buf[1:].numpy()).rstrip(b"\0").decode("utf-8", "replace")
+    name, _, message = text.partition("\n")
+    return name, message
 
 
 def describe(error: BaseException, rank: int) -> tuple[str, str]:
