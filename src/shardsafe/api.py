@@ -19,7 +19,6 @@ import os
 import shutil
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,9 +220,8 @@ def write_prepared(prep: PreparedSave) -> list[FileResult]:
     if not prep.items:
         return []
     rank = prep.comm.rank
-    with ThreadPoolExecutor(1) as pool:
-        entry, written = write_data_file(prep.tmp, FilePlan(data_file_name(rank), rank, prep.items),
-                                         CHECKSUM_BLOCK, pool)
+    entry, written = write_data_file(prep.tmp, FilePlan(data_file_name(rank), rank, prep.items), CHECKSUM_BLOCK,
+                                     threads=min(2, os.cpu_count() or 1))
     return [(entry, [(w.item.key, w.item.box, w.start, w.end, w.checksums) for w in written])]
 
 
