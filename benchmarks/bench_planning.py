@@ -24,9 +24,11 @@ a process that imported torch; every step is also timed with the GC disabled, wh
 separates the algorithms' own growth from the collector's.
 Growth is reported as ratios between sizes and as the exponent p of time ~ chunks^p
 (p = 1: linear). On this machine even a linear pass slows per item as its input outgrows
-the caches, so the plan is judged against a reference pass (one dict insert per box of
-the same layouts, linear by construction): the exponent of plan time / reference time is
-what the algorithm adds. Manifest size, to_bytes and from_bytes are judged by their own p.
+the caches (its p swings between about 1.0 and 1.2 from run to run), so plan, to_bytes and
+from_bytes are judged against a reference pass of the same run (one dict insert per box
+of the same layouts, linear by construction, GC off): their p with the GC off (they pause
+it themselves anyway) minus the reference's p is what the algorithms add. Manifest size
+is judged by its own p.
 ``from_bytes`` is broken down into its integrity checksum, json.loads and the
 tensor entries + chunk table with its vectorized validation; building every Chunk object
 (which loads avoid: entries build only the chunks a read needs) is timed beside it, and
@@ -352,7 +354,7 @@ def main() -> int:
                            "from_bytes wall", "manifest", "B/chunk", "parse us/chunk (on)", "write max/mean"], rows))
 
     lines.append("\n### Growth (ratio between consecutive sizes; p = exponent of CPU time ~ chunks^p, 1 = linear; "
-                 "the target is judged with the GC on)\n")
+                 "plan, to_bytes and from_bytes are judged GC off against the reference pass)\n")
     rows = []
     linear_ok = True
     algo_ok = True
@@ -373,19 +375,23 @@ def main() -> int:
                          *(f"x{g[name]:.1f}" for name in metrics)])
         first, last = rs[0], rs[-1]
         p = {name: exponent(get(first), get(last), first["chunks"], last["chunks"]) for name, get in metrics.items()}
-        # The verdict: manifest size, to_bytes and from_bytes by their own exponents; the
-        # plan by its growth beyond the linear reference pass over the same input (the
-        # raw plan exponent, which includes the caches' share, is reported beside it).
-        ok = all(p[k] <= LINEAR_MAX_EXPONENT for k in ("manifest size", "to_bytes", "from_bytes")) and \
-            p["plan / reference pass (GC off)"] <= LINEAR_MAX_EXPONENT - 1
+        # The verdict: manifest size by its own exponent; plan, to_bytes and from_bytes by
+        # how much faster than the linear reference pass of the same run they grow (their
+        # raw exponents, caches' share included, are reported beside it).
+        # Like with like: the reference pass runs with the GC off, and plan, to_bytes and
+        # from_bytes pause the GC themselves, so their GC-off timings are compared.
+        ref = p["reference pass (GC off)"]
+        ok = p["manifest size"] <= LINEAR_MAX_EXPONENT and all(
+            p[f"{k} GC off"] - ref <= LINEAR_MAX_EXPONENT - 1 for k in ("plan", "to_bytes", "from_bytes"))
         linear_ok &= ok
-        algo_ok &= p["plan"] <= LINEAR_MAX_EXPONENT
+        algo_ok &= all(p[k] <= LINEAR_MAX_EXPONENT for k in ("plan", "to_bytes", "from_bytes"))
         rows.append([f"{kind} p, {first['chunks']} -> {last['chunks']}", "1.00", *(f"{p[n]:.2f}" for n in metrics)])
         out["growth"][kind] = {"steps": steps, "exponents": p}
         out["checks"][f"{kind}_linear"] = {
-            "exponents": p, "pass": ok, "plan_raw_exponent_pass": p["plan"] <= LINEAR_MAX_EXPONENT,
-            "target": f"p <= {LINEAR_MAX_EXPONENT} (GC on) for manifest size, to_bytes, from_bytes; plan: p of "
-                      f"plan / reference pass <= {LINEAR_MAX_EXPONENT - 1:.2f}"}
+            "exponents": p, "pass": ok,
+            "raw_exponents_pass": all(p[k] <= LINEAR_MAX_EXPONENT for k in ("plan", "to_bytes", "from_bytes")),
+            "target": f"manifest size p <= {LINEAR_MAX_EXPONENT}; plan, to_bytes, from_bytes (GC off, like the "
+                      f"reference pass): p minus the reference pass's p <= {LINEAR_MAX_EXPONENT - 1:.2f}"}
     lines.append(md_table(["sizes", "chunks", *metrics], rows))
 
     # The ~128k-chunk parse: target, breakdown, and (when over) profile and what-if.
@@ -427,9 +433,9 @@ def main() -> int:
         lines.append("\ncProfile of Manifest.from_bytes (GC on; top by own time):\n```\n" + prof + "\n```")
 
     lines.append("\n### Targets\n")
-    rows = [["linear growth: manifest size, to_bytes, from_bytes p <= 1.15; plan p beyond the linear reference "
-             "pass <= 0.15", verdict(linear_ok)],
-            ["(info) raw plan p <= 1.15, caches included", verdict(algo_ok)],
+    rows = [["linear growth: manifest size p <= 1.15; plan, to_bytes, from_bytes p at most 0.15 above the "
+             "linear reference pass's", verdict(linear_ok)],
+            ["(info) raw p <= 1.15 for plan, to_bytes, from_bytes, caches' share included", verdict(algo_ok)],
             [f"from_bytes of {big['chunks']} chunks <= {PARSE_TARGET_S * 1e3:.0f} ms", verdict(ok)]]
     lines.append(md_table(["target", "result"], rows))
     out["wall_s"] = time.perf_counter() - t_start
