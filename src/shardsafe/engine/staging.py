@@ -28,6 +28,7 @@ from ..format.manifest import FileEntry
 from ..plan.save_plan import WriteItem
 from ..storage.local import write_all
 from .buffers import byte_view, resolved
+from .parallel import run_shares
 
 DEFAULT_SLOT = 64 << 20
 COPY_THREADS = 4  # at most this many threads copy a slot (the caller included)
@@ -225,12 +226,7 @@ class StagedWriter:
             return
         parts = _split_copies(pending, threads)
         pending.clear()
-        futures = [copier.submit(_copy_all, part) for part in parts[1:]]
-        try:
-            _copy_all(parts[0])
-        finally:
-            for f in futures:
-                f.result()
+        run_shares(copier, _copy_all, parts)
 
     def _pieces(self, item: WriteItem, limit: int):
         """Contiguous uint8 views of an item's bytes in row-major order, each of at most

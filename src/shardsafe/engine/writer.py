@@ -16,6 +16,7 @@ from ..format.manifest import FileEntry
 from ..plan.save_plan import FilePlan, WriteItem
 from ..storage.local import write_all
 from .buffers import byte_view, cpu_contiguous
+from .parallel import run_shares
 
 IOV_MAX = 1024
 
@@ -115,12 +116,7 @@ def write_and_hash(fd: int, views: list, starts: list[int], block: int, threads:
         run(shares[0])
         return sums  # type: ignore[return-value]
     with ThreadPoolExecutor(workers - 1, thread_name_prefix="shardsafe-write") as pool:
-        futures = [pool.submit(run, share) for share in shares[1:]]
-        try:
-            run(shares[0])
-        finally:
-            for f in futures:
-                f.result()
+        run_shares(pool, run, shares)
     return sums  # type: ignore[return-value]
 
 
