@@ -107,3 +107,33 @@ def test_tensor_ranges_must_tile_the_table():
     bad = head + b', "manifest_xxh3_64": "' + checksum(head).encode() + b'"}\n'
     with pytest.raises(CorruptCheckpointError, match="tensor 'b': chunk range"):
         Manifest.from_bytes(bad)
+
+
+def test_overlapping_chunks_are_refused_at_planning():
+    """Two chunks covering the same rows (sizes still adding up) must not load garbage."""
+    import torch
+
+    from shardsafe.plan.load_plan import plan_reads
+    from shardsafe.state.match import Fill
+
+    m = build({"w": (4, 2)}, {"w": 2})
+    first, second = m.tensors["w"].chunks
+    second.offsets = first.offsets  # rows 0-1 twice, rows 2-3 never
+    parsed = Manifest.from_bytes(m.to_bytes())
+    fill = Fill("w", torch.empty(4, 2), Box((0, 0), (4, 2)), True)
+    with pytest.raises(CorruptCheckpointError, match="tensor 'w': saved chunks overlap"):
+        plan_reads(parsed, [fill])
+
+
+@pytest.mark.parametrize("boxes, disjoint", [
+    ([((0, 0), (2, 4)), ((2, 0), (2, 4))], True),  # row ranges
+    ([((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2)), ((2, 2), (2, 2))], True),  # a 2 x 2 grid
+    ([((0, 0), (3, 2)), ((2, 1), (2, 2))], False),  # corners overlap
+    ([((0, 0), (4, 1)), ((1, 0), (1, 1)), ((3, 1), (1, 1))], False),  # contained
+    ([((0, 0), (2, 4)), ((2, 0), (0, 4)), ((2, 0), (2, 4))], True),  # an empty box overlaps nothing
+    ([((), ()), ((), ())], False),  # two 0-d boxes are the same element
+])
+def test_boxes_disjoint(boxes, disjoint):
+    from shardsafe.layout import boxes_disjoint
+
+    assert boxes_disjoint([Box(o, n) for o, n in boxes]) is disjoint

@@ -64,6 +64,22 @@ class Box:
         return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.lengths))
 
 
+def boxes_disjoint(boxes: Sequence[Box]) -> bool:
+    """True when no two of ``boxes`` (of one rank) share an element. A sweep along dim 0
+    compares only boxes whose row ranges overlap: about n log n for row or grid layouts."""
+    items = sorted((b for b in boxes if not b.is_empty()), key=lambda b: b.offsets)
+    if items and items[0].ndim == 0:
+        return len(items) <= 1
+    active: list[Box] = []
+    for b in items:
+        start = b.offsets[0]
+        active = [a for a in active if a.offsets[0] + a.lengths[0] > start]
+        if any(intersect(a, b) is not None for a in active):
+            return False
+        active.append(b)
+    return True
+
+
 def intersect(a: Box, b: Box) -> Box | None:
     """The common part of two boxes of the same rank, or None when they do not overlap.
 

@@ -166,8 +166,10 @@ class ChunkTable:
         if len(self.sums) != HEX * int(self.xs[-1]):
             return -1, f"{len(self.sums)} block checksum characters, {HEX * int(self.xs[-1])} expected"
         try:
-            bytes.fromhex(self.sums)
+            hex_ok = 2 * len(bytes.fromhex(self.sums)) == len(self.sums)  # fromhex skips spaces
         except ValueError:
+            hex_ok = False
+        if not hex_ok:
             return -1, "block checksums are not hexadecimal"
         if self.sums != self.sums.lower():
             return -1, "block checksums must be lowercase hexadecimal"

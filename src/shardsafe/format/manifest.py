@@ -225,7 +225,7 @@ class Manifest:
         except CorruptCheckpointError as exc:
             msg = str(exc)
             raise CorruptCheckpointError(msg if msg.startswith(where) else f"{where}: {msg}") from None
-        except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:
+        except (KeyError, TypeError, IndexError, AttributeError, ValueError, OverflowError, MemoryError) as exc:
             raise CorruptCheckpointError(f"{where}: a manifest field is missing or mistyped: {exc!r}") from None
 
 
@@ -241,7 +241,7 @@ def _header_problem(world_size: Any, extra: Any, writer: Any, rank_local: Any, f
     for name, part in (("extra", extra), ("writer", writer), ("rank_local", rank_local)):
         if not isinstance(part, dict):
             return f"{name} is not an object"
-    if not (_count(extra.get("checksum_block")) and extra["checksum_block"] > 0):
+    if not (_count(extra.get("checksum_block")) and 0 < extra["checksum_block"] < _LIMIT):
         return f"extra.checksum_block {extra.get('checksum_block')!r} is not a positive integer"
     for i, f in enumerate(files):
         if not (isinstance(f.name, str) and f.name not in ("", ".", "..") and not any(c in f.name for c in "/\\\0")):
@@ -275,14 +275,16 @@ def _parse_tensors(tensors_json: Any, chunks_json: Any, files: list[FileEntry], 
             raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}' is not an object")
         dtype, shape, kind, layout, span = t["dtype"], t["shape"], t.get("kind", "replicated"), t.get("layout"), \
             t["chunks"]
-        if not (isinstance(dtype, str) and isinstance(shape, list) and all(_count(s) for s in shape)):
-            raise CorruptCheckpointError(
-                f"inconsistent manifest: tensor '{key}': bad dtype {dtype!r} or shape {shape!r}")
         if kind not in KINDS or not isinstance(layout, (dict, type(None))):
             raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad kind or layout")
-        if not (isinstance(span, list) and len(span) == 2 and all(_count(v) for v in span) and span[0] == firsts[-1]):
+        if not (isinstance(dtype, str) and isinstance(shape, list) and all(_count(s) and s < _LIMIT for s in shape)):
             raise CorruptCheckpointError(
-                f"inconsistent manifest: tensor '{key}': chunk range {span!r} does not follow the previous tensor's")
+                f"inconsistent manifest: tensor '{key}': bad dtype {dtype!r} or shape {shape!r}")
+        if not (isinstance(span, list) and len(span) == 2 and all(_count(v) and v < _LIMIT for v in span)
+                and span[0] == firsts[-1] and span[1] >= 1):
+            raise CorruptCheckpointError(
+                f"inconsistent manifest: tensor '{key}': chunk range {span!r} is not [first, count] with first "
+                f"{firsts[-1]} (where the previous tensor's chunks end) and count >= 1")
         dt = torch_dtype(dtype)
         size = itemsize(dt) if dt is not None else 0
         shape_t = tuple(shape)
@@ -293,6 +295,13 @@ def _parse_tensors(tensors_json: Any, chunks_json: Any, files: list[FileEntry], 
         sizes.append(size)
         firsts.append(span[0] + span[1])
         heads.append((dtype, shape_t, kind, layout))
+    rows = chunks_json.get("f") if isinstance(chunks_json, dict) else None
+    if not (isinstance(rows, list) and len(rows) == firsts[-1]):
+        # Checked before anything is sized by the tensors' counts (a tiny manifest must
+        # not make the reader allocate per claimed chunk).
+        got = len(rows) if isinstance(rows, list) else type(rows).__name__
+        raise CorruptCheckpointError(f"inconsistent manifest: the tensors claim {firsts[-1]} chunks, the chunk "
+                                     f"table has {got}")
     first_arr = np.array(firsts, dtype=np.int64)
     ndim = np.repeat(np.array([len(s) for s in shapes], dtype=np.int64), np.diff(first_arr))
     table = ChunkTable.from_json(chunks_json, ndim, block, [f.rank for f in files])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ..errors import CorruptCheckpointError, MissingKeysError
 from ..format.dtypes import itemsize, torch_dtype
 from ..format.manifest import Chunk, Manifest
-from ..layout import Box, byte_runs, intersect
+from ..layout import Box, boxes_disjoint, byte_runs, intersect
 from ..state.match import Fill
 
 DEFAULT_MAX_BUFFER = 64 << 20
@@ -82,6 +82,7 @@ def plan_reads(manifest: Manifest, fills: list[Fill], max_buffer: int = DEFAULT_
             raise CorruptCheckpointError(f"tensor '{fill.key}': unknown dtype {entry.dtype!r}")
         size = itemsize(dtype)
         covered = 0
+        parts: list[Box] = []
         if not fill.box.is_empty():
             meeting = entry.chunks_meeting(fill.box.offsets, fill.box.lengths)
             if len(meeting) == 1 and fill.box.offsets == meeting[0].offsets and \
@@ -101,12 +102,15 @@ def plan_reads(manifest: Manifest, fills: list[Fill], max_buffer: int = DEFAULT_
                 if part is None:
                     continue
                 covered += part.numel
+                parts.append(part)
                 direct = _dest_range(fill, part, size)
                 pieces = [part] if direct is not None else slabs(part, size, max_buffer)
                 for piece in pieces:
                     runs = [(chunk.start + s, n) for s, n in byte_runs(piece, cbox, size)]
                     dest = direct if direct is not None else None
                     ops.append(ReadOp(fill, chunk, piece, runs, dest))
+        if len(parts) > 1 and not boxes_disjoint(parts):
+            raise CorruptCheckpointError(f"tensor '{fill.key}': saved chunks overlap (the manifest is corrupt)")
         if covered != fill.box.numel:
             raise MissingKeysError(
                 f"tensor '{fill.key}': saved chunks cover {covered} of the {fill.box.numel} elements needed"
