@@ -4,8 +4,9 @@ waits for memory copies.
 
 The pool is one allocation (pinned when CUDA tensors are staged) cut into equal slots.
 The caller copies the bytes of this rank's data file, in file order, into free slots;
-a writer thread takes full slots in order, hashes the bytes block by block into each
-chunk's checksums, writes them at their file offset and frees the slot. A state larger
+a writer thread takes full slots in order and, piece by piece of one checksum block,
+hashes the bytes into each chunk's checksums and writes them at their file offset while
+they are still cached, then frees the slot. A state larger
 than the pool streams through it: the caller waits for free slots.
 """
 
@@ -275,16 +276,20 @@ class StagedWriter:
                 data: np.ndarray = self.slot_views[slot.index][: slot.length].numpy()
                 view = memoryview(data)
                 lo, hi = slot.file_offset, slot.file_offset + slot.length
-                while chunk < len(self.spec.ranges) and self.spec.ranges[chunk][1] <= lo:
-                    chunk += 1  # chunks wholly before this slot (empty chunks are pre-hashed)
-                c = chunk
-                while c < len(self.spec.ranges) and self.spec.ranges[c][0] < hi:
-                    s, e = self.spec.ranges[c]
-                    a, b = max(s, lo), min(e, hi)
-                    if b > a:
-                        self.hashers[c].feed(view[a - lo: b - lo])
-                    c += 1
-                write_all(self.fd, view, lo)
+                ranges = self.spec.ranges
+                # Block by block: hash, then write while the bytes are still cached (one
+                # pass over the slot instead of a hash pass and a write pass).
+                for a in range(lo, hi, self.spec.block):
+                    b = min(hi, a + self.spec.block)
+                    while chunk < len(ranges) and ranges[chunk][1] <= a:
+                        chunk += 1  # chunks wholly before this piece (empty chunks are pre-hashed)
+                    c = chunk
+                    while c < len(ranges) and ranges[c][0] < b:
+                        x, y = max(ranges[c][0], a), min(ranges[c][1], b)
+                        if y > x:
+                            self.hashers[c].feed(view[x - lo: y - lo])
+                        c += 1
+                    write_all(self.fd, view[a - lo: b - lo], a)
                 self.free.put(slot.index)
             os.fsync(self.fd)
         except BaseException as exc:  # noqa: BLE001 - surfaced by finish()

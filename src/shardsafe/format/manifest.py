@@ -246,10 +246,9 @@ def _header_problem(world_size: Any, extra: Any, writer: Any, rank_local: Any, f
     for i, f in enumerate(files):
         if not (isinstance(f.name, str) and f.name not in ("", ".", "..") and not any(c in f.name for c in "/\\\0")):
             return f"file {i}: name {f.name!r} is not a plain file name"
-        if not (_count(f.nbytes) and _count(f.rank) and _count(f.header_bytes) and 8 <= f.header_bytes <= f.nbytes):
+        if not (_count(f.nbytes) and _count(f.rank) and _count(f.header_bytes)
+                and 8 <= f.header_bytes <= f.nbytes < _LIMIT):
             return f"file {f.name!r}: bad sizes (bytes {f.nbytes!r}, header_bytes {f.header_bytes!r})"
-        if not (_count(f.nbytes) and f.nbytes < _LIMIT):
-            return f"file {f.name!r}: size {f.nbytes} is out of range"
         if not isinstance(f.header_checksum, str):
             return f"file {f.name!r}: bad header checksum"
     return None
