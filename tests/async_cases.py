@@ -9,7 +9,6 @@ deterministic, per-step distinct content it saves.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 import dist_cases
 import shardsafe
-import shardsafe.manager as manager_mod
+from shardsafe.storage.faults import FaultyBackend
 
 MiB = 1 << 20
 
@@ -112,29 +111,28 @@ def manager_async_retention(rank: int, world: int, folder: str, steps: int, keep
     """An async CheckpointManager with retention on every rank: replicated and rank-local
     tensors, distinct per step, mutated right after each save; then resume the latest
     into a fresh state. Reports the steps, the load and the step folders this rank deleted."""
+    deleted: list[str] = []
+
+    def record(op: str, name: str) -> None:
+        # Retention takes a step folder out of sight by renaming it to a -del- name first.
+        src, _, dst = name.partition("->")
+        if op == "rename" and src.startswith("step-") and ".shardsafe-del-" in dst:
+            deleted.append(src)
+
+    # Record the retention deletes of this rank through the storage seam.
+    cp = shardsafe.Checkpointer(storage=FaultyBackend(on_op=record))
     mgr = shardsafe.CheckpointManager(folder, interval=1, keep_last=keep_last, keep_every=keep_every,
-                                      async_mode="async")
+                                      async_mode="async", checkpointer=cp)
     state = {
         "w": torch.zeros(64, 33),
         "big": torch.zeros(300_000),
         "mine": shardsafe.rank_local({"t": torch.zeros(5, dtype=torch.int64)}),
         "step": 0,
     }
-    deleted: list[str] = []
-    real_rmtree = shutil.rmtree
-
-    def recording_rmtree(path, *a, **kw):
-        if Path(path).parent == Path(folder) and Path(path).name.startswith("step-"):
-            deleted.append(Path(path).name)
-        return real_rmtree(path, *a, **kw)
-
-    # Record the retention deletes of this rank (the manager deletes through shutil.rmtree).
-    manager_mod.shutil.rmtree = recording_rmtree
-    try:
-        seen = _manager_loop(mgr, state, rank, steps)
-    finally:
-        manager_mod.shutil.rmtree = real_rmtree
-    return _manager_check(mgr, folder, rank) | {"deleted": deleted, "seen": seen}
+    seen = _manager_loop(mgr, state, rank, steps)
+    result = _manager_check(mgr, folder, rank) | {"deleted": deleted, "seen": seen}
+    cp.close()
+    return result
 
 
 def _manager_loop(mgr, state: dict, rank: int, steps: int) -> list[list[int]]:

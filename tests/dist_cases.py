@@ -253,9 +253,7 @@ def load_then_save(rank: int, world: int, layout: str, src: str, dst: str, ref_p
 
 def save_twice(rank: int, world: int, layout: str, path1: str, path2: str, path3: str) -> list[bool]:
     """Save the same layout twice (second plan from the cache), then a changed layout."""
-    from shardsafe import api
-
-    api._PLAN_CACHE.clear()  # earlier cases in this worker may have planned this layout already
+    shardsafe.default_checkpointer().plans.clear()  # earlier cases in this worker may have planned it
     model, opt = build(layout, world)
     train(model, opt, 1, data_rank(layout, rank))
     state = train_state(model, opt)
@@ -373,23 +371,18 @@ def save_load_subgroups(rank: int, world: int, root: str) -> dict:
 
 def save_with_write_failure(rank: int, world: int, path: str, bad_rank: int) -> dict:
     """Save where writing the data file fails on ``bad_rank`` only (a full disk, say)."""
-    from shardsafe import api
+    import errno
 
-    real = api.write_data_file
-
-    def broken(*args, **kwargs):
-        raise OSError(28, "No space left on device (injected)")
+    from shardsafe.storage.faults import Fault, FaultyBackend
 
     # The rank-local tensor makes sure that ``bad_rank`` has a file of its own to write.
     state = {"w": torch.zeros(1024), "local": shardsafe.rank_local(torch.full((256,), rank))}
-    if rank == bad_rank:
-        api.write_data_file = broken
+    faults = [Fault("write", errno.ENOSPC, name="data-r")] if rank == bad_rank else []
     error = None
-    try:
-        shardsafe.save(state, path)
-    except Exception as exc:  # noqa: BLE001 - report whatever each rank raised
-        error = (type(exc).__name__, str(exc), isinstance(exc, shardsafe.CheckpointError))
-    finally:
-        api.write_data_file = real
+    with shardsafe.Checkpointer(storage=FaultyBackend(faults=faults)) as cp:
+        try:
+            cp.save(state, path)
+        except Exception as exc:  # noqa: BLE001 - report whatever each rank raised
+            error = (type(exc).__name__, str(exc), isinstance(exc, shardsafe.CheckpointError))
     ok = shardsafe.save({"w": torch.ones(4)}, path + "-after")  # the group is still in step
     return {"error": error, "after_bytes": ok.bytes_written}

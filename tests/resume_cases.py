@@ -38,7 +38,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import shardsafe
 from dist_cases import assert_bitwise, full_reference
 from shardsafe.data import ElasticSampler, keep_global_batch, per_rank_batch
-from shardsafe.state import train_state as train_state_mod
 from shardsafe.state.rng import derive_seed
 
 DIM, HIDDEN, CLASSES = 16, 32, 5
@@ -356,7 +355,6 @@ def elastic_resume(rank: int, world: int, layout: str, cfg: dict[str, Any], path
     """Fresh objects on this (different) world size: load, check the RNG was re-derived
     with one warning, finish the run."""
     run = build_run(cfg, layout, rank, world, init_seed=7, rng_seed=999)
-    train_state_mod._warned = False  # the warning is once per process; earlier cases may have used it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         shardsafe.load({"train": run.state}, path)

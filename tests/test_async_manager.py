@@ -28,9 +28,9 @@ import dist_cases
 import shardsafe
 from dist_cases import tensors_of
 from shardsafe import CheckpointConfig, CheckpointManager, CorruptCheckpointError
-from shardsafe.engine import staging
+from shardsafe.engine import writer as writer_mod
 from shardsafe.format.manifest import MANIFEST_NAME
-from shardsafe.storage import local
+from shardsafe.storage.faults import Fault, FaultyBackend
 
 MiB = 1 << 20
 assert_bitwise = dist_cases.assert_bitwise
@@ -130,28 +130,13 @@ def wait_until(pred, timeout: float, what: str) -> None:
         time.sleep(0.005)
 
 
-class InjectedWrites:
-    """Replace the staging writer's ``write_all``: call number ``fail_from`` and later
-    raise ENOSPC (after ``gate`` is set, when given); ``delay`` slows every write."""
-
-    def __init__(self, monkeypatch, fail_from: int | None = None, gate: threading.Event | None = None,
-                 delay: float = 0.0) -> None:
-        self.calls = 0
-        self.failed = 0
-        orig = staging.write_all
-
-        def fake(fd, view, offset):
-            self.calls += 1
-            if fail_from is not None and self.calls >= fail_from:
-                if gate is not None:
-                    gate.wait(30)
-                self.failed += 1
-                raise OSError(errno.ENOSPC, "No space left on device (injected)")
-            if delay:
-                time.sleep(delay)
-            return orig(fd, view, offset)
-
-        monkeypatch.setattr(staging, "write_all", fake)
+def injected(fail_from: int | None = None, gate: threading.Event | None = None,
+             delay: float = 0.0) -> tuple[shardsafe.Checkpointer, FaultyBackend]:
+    """A Checkpointer whose storage fails write number ``fail_from`` and later with ENOSPC
+    (those writes first wait for ``gate``, when given); ``delay`` slows every write."""
+    faults = [Fault("write", errno.ENOSPC, skip=fail_from - 1)] if fail_from is not None else []
+    backend = FaultyBackend(faults=faults, write_gate=gate, gate_skip=(fail_from or 1) - 1, write_delay=delay)
+    return shardsafe.Checkpointer(storage=backend), backend
 
 
 def step_content(step: int, tag: str = "") -> dict:
@@ -181,27 +166,28 @@ STAGING = [pytest.param(None, id="pool-default"), pytest.param(MiB, id="pool-1Mi
 @pytest.mark.parametrize("max_staging", STAGING)
 def test_async_equals_sync_bitwise(tmp_path, monkeypatch, max_staging, parallel):
     if parallel:  # slot copies split over threads even for this small state
-        monkeypatch.setattr(staging, "PARALLEL_MIN", 0)
-        monkeypatch.setattr(staging.os, "cpu_count", lambda: 3)
-        monkeypatch.setattr(staging, "COPY_THREADS", 3)
+        monkeypatch.setattr(writer_mod, "PARALLEL_MIN", 0)
+        monkeypatch.setattr(writer_mod.os, "cpu_count", lambda: 3)
+        monkeypatch.setattr(writer_mod, "COPY_THREADS", 3)
     else:
-        monkeypatch.setattr(staging, "PARALLEL_MIN", 1 << 62)
+        monkeypatch.setattr(writer_mod, "PARALLEL_MIN", 1 << 62)
     state = mixed_state()
     ref = snapshot(state)
     shardsafe.save(state, tmp_path / "sync")
-    saver = shardsafe.AsyncSaver()
-    fut = saver.save(state, tmp_path / "async", max_staging_bytes=max_staging)
+    saver = shardsafe.Checkpointer()
+    fut = saver.async_save(state, tmp_path / "async", max_staging_bytes=max_staging)
     assert fut.staged(0), "staged() must be true once async_save has returned"
     info = fut.result(timeout=60)
     assert fut.done()
-    assert info.path == tmp_path / "async"
+    assert info.path == str(tmp_path / "async")
     total = sum(t.numel() * t.element_size() for t in tensors_of(state).values())
     assert total > 6 * MiB
-    pool_bytes = saver.pool.buffer.numel()
+    pool_bytes = saver.memory.peak
     if max_staging is None:
         assert pool_bytes >= total // 2, pool_bytes
     else:
         assert pool_bytes <= max_staging, f"pool of {pool_bytes} bytes for a bound of {max_staging}"
+    saver.close()
 
     a, b = shardsafe.load_full(tmp_path / "sync"), shardsafe.load_full(tmp_path / "async")
     assert_bitwise(a, b)
@@ -222,32 +208,35 @@ def test_split_copies_covers_every_byte_in_order():
     dst = torch.zeros(17, dtype=torch.uint8)
     cuts = [(0, 5), (5, 5), (5, 12), (12, 13), (13, 17)]
     pairs = [(dst[a:b], src[a:b]) for a, b in cuts]
-    parts = staging._split_copies(pairs, 3)
+    parts = writer_mod._copy_parts(pairs, 3)
     assert [sum(d.numel() for d, _ in p) for p in parts] == [6, 6, 5]
     order = [(d.data_ptr() - dst.data_ptr(), d.numel()) for p in parts for d, _ in p]
     assert order == [(0, 5), (5, 1), (6, 6), (12, 1), (13, 4)]
     for p in parts:
-        staging._copy_all(p)
+        writer_mod._copy_all(p)
     assert torch.equal(dst, src)
 
 
 def test_pool_bound_below_minimum_is_raised_to_1MiB(tmp_path):
-    saver = shardsafe.AsyncSaver()
+    """A slot holds at least one checksum block (1 MiB)."""
+    saver = shardsafe.Checkpointer()
     state = {"a": torch.randn(3 * MiB // 4), "b": torch.randn(7, 3).t()}
-    saver.save(state, tmp_path / "ck", max_staging_bytes=1000).result(timeout=60)
-    assert saver.pool.buffer.numel() == MiB
+    saver.async_save(state, tmp_path / "ck", max_staging_bytes=1000).result(timeout=60)
+    assert saver.memory.peak == MiB and saver.memory.kept_bytes == MiB
+    saver.close()
     assert_bitwise(snapshot(state), shardsafe.load_full(tmp_path / "ck"))
 
 
 @pytest.mark.parametrize("max_staging", STAGING)
-def test_mutation_after_return_does_not_leak(tmp_path, monkeypatch, max_staging):
-    InjectedWrites(monkeypatch, delay=0.02)  # the writer runs well after the mutation
+def test_mutation_after_return_does_not_leak(tmp_path, max_staging):
+    cp, _ = injected(delay=0.02)  # the writer runs well after the mutation
     state = mixed_state(1)
     ref = snapshot(state)
-    fut = shardsafe.async_save(state, tmp_path / "ck", max_staging_bytes=max_staging)
+    fut = cp.async_save(state, tmp_path / "ck", max_staging_bytes=max_staging)
     mutate_(state)
     assert not torch.equal(state["big"], ref["big"])
     fut.result(timeout=60)
+    cp.close()
     assert_bitwise(ref, shardsafe.load_full(tmp_path / "ck"))
 
 
@@ -270,26 +259,21 @@ def test_save_future_and_overwrite_refusal(tmp_path):
     pytest.param(6 * MiB, id="multiple-of-slot"),
     pytest.param(6 * MiB + 1, id="odd-size"),
 ])
-def test_default_pool_returns_without_waiting_for_writes(tmp_path, monkeypatch, nbytes):
+def test_default_pool_returns_without_waiting_for_writes(tmp_path, nbytes):
     """With max_staging_bytes=None the pool holds the whole state: async_save must return
-    while every storage write is still blocked."""
+    while every storage write of the data (after the header) is still blocked."""
     gate = threading.Event()
-    orig = staging.write_all
-
-    def blocked(fd, view, offset):
-        gate.wait(30)
-        return orig(fd, view, offset)
-
-    monkeypatch.setattr(staging, "write_all", blocked)
+    cp = shardsafe.Checkpointer(storage=FaultyBackend(write_gate=gate, gate_skip=1))
     state = {"a": torch.arange(nbytes, dtype=torch.uint8)}
     box: dict = {}
-    th = threading.Thread(target=lambda: box.setdefault("f", shardsafe.async_save(state, tmp_path / "ck")))
+    th = threading.Thread(target=lambda: box.setdefault("f", cp.async_save(state, tmp_path / "ck")))
     th.start()
     th.join(2)
     returned = not th.is_alive()
     gate.set()
     th.join(60)
     box["f"].result(timeout=60)
+    cp.close()
     assert_bitwise({"a": torch.arange(nbytes, dtype=torch.uint8)}, shardsafe.load_full(tmp_path / "ck"))
     assert returned, "async_save with the default pool did not return while the writer was blocked"
 
@@ -309,91 +293,95 @@ def _assert_old_intact(path: Path, old: dict) -> None:
     assert_bitwise(old, shardsafe.load_full(path))
 
 
-def test_storage_error_surfaces_on_result(tmp_path, monkeypatch):
+def test_storage_error_surfaces_on_result(tmp_path):
     path, old, new = _old_and_new(tmp_path)
     returned = threading.Event()
-    inj = InjectedWrites(monkeypatch, fail_from=3, gate=returned)  # header, first slot, then ENOSPC
-    fut = shardsafe.async_save(new, path, overwrite=True)
+    cp, backend = injected(fail_from=3, gate=returned)  # header, first block, then ENOSPC
+    fut = cp.async_save(new, path, overwrite=True)
     returned.set()
-    with pytest.raises(OSError) as ei:
+    with pytest.raises(shardsafe.StorageError) as ei:
         fut.result(timeout=60)
-    assert ei.value.errno == errno.ENOSPC
-    assert inj.failed >= 1 and fut.done()
+    assert ei.value.errno == errno.ENOSPC and "data-r00000-00.safetensors" in str(ei.value)
+    assert backend.faults[0].fired >= 1 and fut.done()
     assert isinstance(fut.exception(), OSError)
     _assert_old_intact(path, old)
     # Observed once: the next save neither raises it again nor is blocked by it.
-    monkeypatch.setattr(staging, "write_all", local.write_all)
-    shardsafe.async_save(new, path, overwrite=True).result(timeout=60)
+    backend.faults.clear()
+    cp.async_save(new, path, overwrite=True).result(timeout=60)
     assert_bitwise(snapshot(new), shardsafe.load_full(path))
+    cp.close()
 
 
-def test_storage_error_surfaces_on_next_call(tmp_path, monkeypatch):
+def test_storage_error_surfaces_on_next_call(tmp_path):
     path, old, new = _old_and_new(tmp_path)
     returned = threading.Event()
-    InjectedWrites(monkeypatch, fail_from=3, gate=returned)
-    fut = shardsafe.async_save(new, path, overwrite=True)
+    cp, backend = injected(fail_from=3, gate=returned)
+    fut = cp.async_save(new, path, overwrite=True)
     returned.set()
     wait_until(fut.done, 60, "the failing background save")
-    monkeypatch.setattr(staging, "write_all", local.write_all)
+    backend.faults.clear()
     other = tmp_path / "other"
-    with pytest.raises(OSError) as ei:
-        shardsafe.async_save({"x": torch.ones(3)}, other)
+    with pytest.raises(shardsafe.StorageError) as ei:
+        cp.async_save({"x": torch.ones(3)}, other)
     assert ei.value.errno == errno.ENOSPC
     assert not other.exists(), "the call that raised the previous error must not start its own save"
     _assert_old_intact(path, old)
     # Raised once: the save after it works.
-    shardsafe.async_save({"x": torch.ones(3)}, other).result(timeout=60)
+    cp.async_save({"x": torch.ones(3)}, other).result(timeout=60)
     assert_bitwise({"x": torch.ones(3)}, shardsafe.load_full(other))
+    cp.close()
 
 
-def test_storage_error_while_streaming_through_small_pool(tmp_path, monkeypatch):
+def test_storage_error_while_streaming_through_small_pool(tmp_path):
     """The writer fails while the caller still waits for free slots: the error is raised
     (by async_save itself or by result()), nothing hangs, nothing is committed."""
     path, old, new = _old_and_new(tmp_path)
-    InjectedWrites(monkeypatch, fail_from=2)
+    cp, _ = injected(fail_from=2)
     t0 = time.monotonic()
-    with pytest.raises(OSError) as ei:
-        shardsafe.async_save(new, path, overwrite=True, max_staging_bytes=MiB).result(timeout=60)
+    with pytest.raises(shardsafe.StorageError) as ei:
+        cp.async_save(new, path, overwrite=True, max_staging_bytes=MiB).result(timeout=60)
     assert ei.value.errno == errno.ENOSPC
     assert time.monotonic() - t0 < 30
     _assert_old_intact(path, old)
+    cp.close()
 
 
-def test_failed_first_save_leaves_nothing(tmp_path, monkeypatch):
-    InjectedWrites(monkeypatch, fail_from=1)
-    with pytest.raises(OSError):
-        shardsafe.async_save(mixed_state(), tmp_path / "ck").result(timeout=60)
+def test_failed_first_save_leaves_nothing(tmp_path):
+    cp, _ = injected(fail_from=1)
+    with pytest.raises(shardsafe.StorageError):
+        cp.async_save(mixed_state(), tmp_path / "ck").result(timeout=60)
     assert entries(tmp_path) == [], f"a failed save left {entries(tmp_path)}"
+    cp.close()
 
 
-def test_commit_error_surfaces_and_keeps_old(tmp_path, monkeypatch):
+def test_commit_error_surfaces_and_keeps_old(tmp_path):
     path, old, new = _old_and_new(tmp_path)
-
-    def no_space(path, data):
-        raise OSError(errno.ENOSPC, "No space left on device (injected, manifest)")
-
-    monkeypatch.setattr(local, "write_small_file", no_space)
-    fut = shardsafe.async_save(new, path, overwrite=True)
-    with pytest.raises(OSError) as ei:
+    cp = shardsafe.Checkpointer(storage=FaultyBackend(faults=[Fault("write", errno.ENOSPC, name="manifest")]))
+    fut = cp.async_save(new, path, overwrite=True)
+    with pytest.raises(shardsafe.StorageError) as ei:
         fut.result(timeout=60)
-    assert ei.value.errno == errno.ENOSPC
+    assert ei.value.errno == errno.ENOSPC and "manifest.json" in str(ei.value)
     _assert_old_intact(path, old)
+    cp.close()
 
 
 # ----------------------------------------------------------------------------- pool reuse and memory
 
 
 def test_staging_pool_allocated_once(tmp_path):
-    saver = shardsafe.AsyncSaver()
+    saver = shardsafe.Checkpointer()
     state = mixed_state(3)
     for i in range(5):
         mutate_(state)
         ref = snapshot(state)
-        saver.save(state, tmp_path / "ck", overwrite=True).result(timeout=60)
+        saver.async_save(state, tmp_path / "ck", overwrite=True).result(timeout=60)
         assert_bitwise(ref, shardsafe.load_full(tmp_path / "ck"), f"save {i}")
-    assert saver.pool.allocations == 1
-    saver.save({"small": torch.ones(1000)}, tmp_path / "small").result(timeout=60)
-    assert saver.pool.allocations == 1, "a smaller state must reuse the pool"
+    first = saver.memory.allocations
+    assert first <= 3, f"{first} slot allocations for one save"
+    saver.async_save(state, tmp_path / "ck", overwrite=True).result(timeout=60)
+    saver.async_save({"small": torch.ones(1000)}, tmp_path / "small").result(timeout=60)
+    assert saver.memory.allocations == first, "later saves must reuse the slots"
+    saver.close()
 
 
 def test_rss_flat_across_20_async_saves(tmp_path):
@@ -404,14 +392,14 @@ def test_rss_flat_across_20_async_saves(tmp_path):
     shm = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
     work = Path(tempfile.mkdtemp(prefix="shardsafe-test-rss-", dir="/dev/shm")) if shm else tmp_path
     proc = psutil.Process()
-    saver = shardsafe.AsyncSaver()
+    saver = shardsafe.Checkpointer()
     g = torch.Generator().manual_seed(5)
     state = {f"t{i}": torch.randn(MiB, generator=g) for i in range(8)}  # 32 MiB
     rss = {}
     try:
         for i in range(1, 21):
             state["t0"][0] = float(i)
-            saver.save(state, work / f"ck{i % 2}", overwrite=True).result(timeout=60)
+            saver.async_save(state, work / f"ck{i % 2}", overwrite=True).result(timeout=60)
             if i in (5, 20):
                 gc.collect()
                 rss[i] = proc.memory_info().rss
@@ -420,7 +408,8 @@ def test_rss_flat_across_20_async_saves(tmp_path):
             shutil.rmtree(work, ignore_errors=True)
     growth = rss[20] - rss[5]
     assert growth < 0.01 * rss[5] + 4 * MiB, f"RSS grew {growth / MiB:.1f} MiB from save 5 to save 20"
-    assert saver.pool.allocations == 1
+    assert saver.memory.allocations <= 2
+    saver.close()
 
 
 # ----------------------------------------------------------------------------- exit and crashes

@@ -9,7 +9,6 @@ import enum
 import errno
 import json
 import math
-import os
 import struct
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from shardsafe import (
     UnsupportedValueError,
 )
 from shardsafe.format.dtypes import NAME_TO_TORCH
-from shardsafe.storage import local
+from shardsafe.storage.faults import Fault, FaultyBackend
 
 # --------------------------------------------------------------------------- helpers
 
@@ -709,23 +708,29 @@ def test_overlapping_destination_refused_before_any_write(tmp_path):
     assert torch.equal(b, torch.zeros(6, dtype=torch.int32)), "a failed load must not touch the destination"
 
 
-@pytest.mark.parametrize("fail_at", ["header_write", "data_write", "manifest_write", "commit"])
-def test_failed_overwrite_keeps_old_checkpoint(tmp_path, monkeypatch, fail_at):
+FAULTS = {
+    "header_write": Fault("write", errno.ENOSPC, name="data-r"),  # the first write of a data file is its header
+    "data_write": Fault("write", errno.ENOSPC, name="data-r", skip=1),
+    "data_fsync": Fault("finish", errno.EIO, name="data-r"),
+    "manifest_write": Fault("write", errno.ENOSPC, name="manifest"),
+    "commit_sync": Fault("sync", errno.EIO),
+    "commit_rename": Fault("exchange", errno.EIO),
+}
+
+
+@pytest.mark.parametrize("fail_at", list(FAULTS))
+def test_failed_overwrite_keeps_old_checkpoint(tmp_path, fail_at):
+    """A failing disk at any step of an overwrite: a StorageError that keeps errno and the
+    file name, the old checkpoint intact, no temp folder left."""
     path = tmp_path / "c"
     shardsafe.save({"w": torch.ones(64), "v": "old"}, path)
     before = {p.name: p.read_bytes() for p in path.iterdir()}
-
-    def disk_full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device (injected)")
-
-    target = {"header_write": (os, "pwrite"), "data_write": (os, "pwritev"),
-              "manifest_write": (local, "write_small_file"), "commit": (local, "fsync_dir")}[fail_at]
-    monkeypatch.setattr(*target, disk_full)
-    with pytest.raises(OSError) as ei:
-        shardsafe.save({"w": torch.zeros(64), "v": "new"}, path, overwrite=True)
-    assert "injected" in str(ei.value)
-    monkeypatch.undo()
-
+    fault = FAULTS[fail_at]
+    with shardsafe.Checkpointer(storage=FaultyBackend(faults=[fault])) as cp:
+        with pytest.raises(shardsafe.StorageError) as ei:
+            cp.save({"w": torch.zeros(64), "v": "new"}, path, overwrite=True)
+    assert "injected" in str(ei.value) and ei.value.errno == fault.errno and ei.value.filename
+    assert isinstance(ei.value.__cause__, OSError)
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"], "the temp directory must be removed"
     out = shardsafe.load_full(path)

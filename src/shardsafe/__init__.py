@@ -2,9 +2,18 @@
 
 __version__ = "0.1.0"
 
-from .api import LoadInfo, SaveInfo, load, load_full, read_manifest, save  # noqa: E402
-from .async_save import AsyncSaver, SaveFuture, async_save, wait_for_pending  # noqa: E402
+from .api import (  # noqa: E402
+    async_save,
+    default_checkpointer,
+    load,
+    load_full,
+    read_manifest,
+    save,
+    wait_for_pending,
+)
+from .checkpointer import Checkpointer, SaveFuture  # noqa: E402
 from .errors import (  # noqa: E402
+    CheckpointChangedError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -14,10 +23,13 @@ from .errors import (  # noqa: E402
     KeyMismatchError,
     MissingKeysError,
     ShapeMismatchError,
+    StorageError,
     UnexpectedKeysError,
     UnsupportedValueError,
 )
+from .loading import LoadInfo  # noqa: E402
 from .manager import CheckpointConfig, CheckpointManager  # noqa: E402
+from .saving import SaveInfo  # noqa: E402
 from .state.train_state import TrainState  # noqa: E402
 from .state.tree import Stateful, rank_local  # noqa: E402
 
@@ -28,7 +40,8 @@ __all__ = [
     "load_full",
     "async_save",
     "wait_for_pending",
-    "AsyncSaver",
+    "Checkpointer",
+    "default_checkpointer",
     "SaveFuture",
     "read_manifest",
     "SaveInfo",
@@ -39,6 +52,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointConfig",
     "CheckpointError",
+    "CheckpointChangedError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -47,6 +61,7 @@ __all__ = [
     "KeyMismatchError",
     "MissingKeysError",
     "ShapeMismatchError",
+    "StorageError",
     "UnexpectedKeysError",
     "UnsupportedValueError",
 ]

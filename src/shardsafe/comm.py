@@ -47,12 +47,14 @@ class Comm:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
-    def agree(self, error: BaseException | None) -> None:
+    def agree(self, error: BaseException | None, digest: int | None = None, what: str = "") -> None:
         """Raise the same CheckpointError on every rank when any rank had an error.
 
-        Plain tensor collectives, no object pickling: one all-reduce of a flag when every
-        rank succeeded (the common case), and an all-gather of the error descriptions
-        only when one failed (the lowest failing rank's error is raised everywhere)."""
+        Plain tensor collectives, no object pickling, O(1) bytes per rank either way: one
+        all-reduce (MIN) finds the lowest failing rank (and, when ``digest`` is given,
+        checks that every rank passed the same 64-bit digest, e.g. of the manifest it
+        read); only on failure does that rank broadcast its error description (at most
+        STATUS_BYTES)."""
         if not self.distributed:
             if error is not None:
                 raise error
@@ -60,16 +62,34 @@ class Comm:
         import torch
 
         device = self._device()
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if int(flag.item()) == 0:
+        d = 0 if digest is None else digest & ((1 << 64) - 1)
+        hi, lo = d >> 32, d & 0xFFFFFFFF
+        vals = torch.tensor([self.world if error is None else self.rank, hi, lo, -hi, -lo], dtype=torch.int64,
+                            device=device)
+        dist.all_reduce(vals, op=dist.ReduceOp.MIN, group=self.group)
+        first, min_hi, min_lo, neg_max_hi, neg_max_lo = (int(v) for v in vals.cpu())
+        if first >= self.world:
+            if digest is not None and (min_hi != -neg_max_hi or min_lo != -neg_max_lo):
+                raise CheckpointError(f"ranks read different manifests{what} (was the checkpoint replaced while "
+                                      "it was being loaded?)")
             return
-        mine = _encode(None if error is None else describe(error, self.rank), ERROR_BYTES).to(device)
-        bufs = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(bufs, mine, group=self.group)
-        found = [d for d in (_decode(b.cpu()) for b in bufs) if d is not None]
-        if found:
-            raise rebuild(found[0]) from error
+        buf = _encode(describe(error, self.rank) if self.rank == first and error is not None else None).to(device)
+        dist.broadcast(buf, src=dist.get_global_rank(self.group, first), group=self.group)
+        found = _decode(buf.cpu())
+        if found is not None:
+            raise rebuild(found) from error
+        raise CheckpointError(f"rank {first} failed") from error
+
+    def broadcast_ints(self, values: list[int] | None, count: int) -> list[int]:
+        """Rank 0's ``count`` int64 values on every rank (a plain tensor broadcast)."""
+        if not self.distributed:
+            assert values is not None
+            return list(values)
+        import torch
+
+        buf = torch.tensor(values if self.rank == 0 else [0] * count, dtype=torch.int64, device=self._device())
+        dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return [int(v) for v in buf.cpu()]
 
     def _device(self) -> str:
         """Where this group's collectives need their tensors (NCCL: the current GPU)."""
@@ -92,7 +112,6 @@ class Comm:
 
 
 STATUS_BYTES = 4096
-ERROR_BYTES = 64 << 10  # error descriptions gathered only when a rank failed
 
 
 def _encode(status: tuple[str, str] | None, size: int = STATUS_BYTES) -> Any:

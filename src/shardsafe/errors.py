@@ -15,8 +15,36 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
     """A committed checkpoint already sits at the path and ``overwrite`` was not given."""
 
 
+class StorageError(CheckpointError, OSError):
+    """The storage failed an operation (disk full, I/O error, permission, a failed rename).
+
+    ``errno`` and ``filename`` say what and where; ``__cause__`` is the original error."""
+
+    def __init__(self, message: str, errno: int | None = None, filename: str | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno  # type: ignore[misc]
+        self.filename = filename
+        self.strerror = _strerror(errno)  # type: ignore[misc]
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):  # keep the message (OSError would rebuild from errno)
+        return (type(self), (str(self), self.errno, self.filename))
+
+
+def _strerror(errno: int | None) -> str | None:
+    import os
+
+    return os.strerror(errno) if errno else None
+
+
 class CorruptCheckpointError(CheckpointError):
     """Bytes on disk do not match what the manifest promises (checksum, size, header)."""
+
+
+class CheckpointChangedError(CorruptCheckpointError):
+    """The checkpoint was deleted or replaced while it was being read (loads retry)."""
 
 
 class FormatVersionError(CheckpointError):
@@ -57,6 +85,8 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointExistsError",
     "CorruptCheckpointError",
+    "StorageError",
+    "CheckpointChangedError",
     "FormatVersionError",
     "UnsupportedValueError",
     "KeyMismatchError",

@@ -9,8 +9,8 @@ has committed: it keeps the ``keep_last`` newest steps and every step divisible 
 
 from __future__ import annotations
 
-import re
-import shutil
+import contextlib
+import os
 import tomllib
 import warnings
 from dataclasses import asdict, dataclass, field, fields
@@ -19,19 +19,20 @@ from typing import Any
 
 import torch
 
-from .api import PathLike, load, read_manifest, save
-from .async_save import AsyncSaver, SaveFuture
+from .checkpoint_folder import clean_leftovers, delete_checkpoint, is_committed, leftover_of
+from .checkpointer import Checkpointer, SaveFuture
 from .comm import resolve
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
-from .storage import local
+from .steps import parse_step, step_name
+from .storage.base import Folder
 
-STEP_RE = re.compile(r"^step-(\d{8,})$")
+PathLike = str | os.PathLike
 ASYNC_MODES = ("disabled", "async", "async_pinned")
 
 
 def step_dir(folder: PathLike, step: int) -> Path:
     """The folder of ``step``: ``FOLDER/step-00000500``."""
-    return Path(folder) / f"step-{step:08d}"
+    return Path(folder) / step_name(step)
 
 
 @dataclass
@@ -52,7 +53,7 @@ class CheckpointConfig:
     load_step: int | None = None
     exclude_from_loading: list[str] = field(default_factory=list)
     last_save_model_only: bool = True
-    export_dtype: str = "float32"
+    export_dtype: str | None = None  # None: export in the training dtype
 
     _ALIASES = {"keep_latest_k": "keep_last", "enable_checkpoint": "enable"}
 
@@ -92,7 +93,11 @@ class CheckpointConfig:
 
 
 class CheckpointManager:
-    """Step checkpoints in one folder; every rank of the job calls every method."""
+    """Step checkpoints in one folder; every rank of the job calls every method.
+
+    The manager owns a :class:`~shardsafe.Checkpointer` (its memory budget, staging
+    buffers and async save in flight); ``close()`` releases it. Rank 0 lists the folder,
+    chooses what to load and applies retention; the other ranks follow its choice."""
 
     def __init__(
         self,
@@ -105,16 +110,25 @@ class CheckpointManager:
         max_staging_bytes: int | None = None,
         exclude_from_loading: list[str] | tuple[str, ...] = (),
         process_group: Any = None,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
         self.config = CheckpointConfig(str(folder), True, interval, keep_last, keep_every, async_mode,
                                        max_staging_bytes, None, list(exclude_from_loading))
         self.folder = Path(folder)
         self.process_group = process_group
-        self._saver = AsyncSaver(pin_memory=async_mode == "async_pinned") if async_mode != "disabled" else None
+        self.checkpointer = checkpointer if checkpointer is not None else Checkpointer(
+            pin_memory=async_mode == "async_pinned")
+        self._owns_checkpointer = checkpointer is None
+        self._async = async_mode != "disabled"
         self._pending_step: int | None = None
         self._loaded_step: int | None = None
         self.last_future: SaveFuture | None = None
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self._closed = False
+        backend, location = self.checkpointer.locate(folder)
+        self._backend, self._location = backend, location
+        with self._open(create=True) as f:
+            if resolve(process_group).rank == 0:
+                self._clean(f)
 
     @classmethod
     def from_config(cls, config: CheckpointConfig | dict[str, Any], process_group: Any = None) -> CheckpointManager:
@@ -127,20 +141,34 @@ class CheckpointManager:
         mgr.config = config
         return mgr
 
+    def _open(self, create: bool = False) -> Folder:
+        return self._backend.open(self._location, create=create)
+
     # -- listing ----------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Steps with a committed checkpoint (manifest present), ascending."""
+        """Steps with a committed checkpoint (manifest present), ascending, as this rank sees them."""
         out = []
-        if self.folder.is_dir():
-            for p in self.folder.iterdir():
-                m = STEP_RE.match(p.name)
-                if m and p.is_dir() and local.is_committed(p):
-                    out.append(int(m.group(1)))
+        try:
+            with self._open() as f:
+                for name in f.names():
+                    step = parse_step(name)
+                    if step is not None and is_committed(f, name):
+                        out.append(step)
+        except CheckpointNotFoundError:
+            return []
         return sorted(out)
 
     def path(self, step: int) -> Path:
         """The folder of ``step`` in this manager's folder."""
         return step_dir(self.folder, step)
+
+    def _clean(self, folder: Folder) -> None:
+        """Repair and delete what interrupted saves and deletions left (rank 0)."""
+        names = {found[0] for found in (leftover_of(n) for n in folder.names()) if found is not None}
+        for name in sorted(names):
+            if parse_step(name) is not None:
+                with contextlib.suppress(CheckpointError):
+                    clean_leftovers(folder, name)
 
     # -- saving -----------------------------------------------------------------------
     def should_save(self, step: int, *, force: bool = False) -> bool:
@@ -158,21 +186,21 @@ class CheckpointManager:
         """Save ``state`` as step ``step`` (sync or async per ``async_mode``), then apply retention."""
         self._complete_pending()
         path = self.path(step)
-        if self._saver is None:
-            save(state, path, overwrite=True, process_group=self.process_group)
+        if not self._async:
+            self.checkpointer.save(state, path, overwrite=True, process_group=self.process_group)
             self._retain(protect=step)
             return None
         self._pending_step = step
-        self.last_future = self._saver.save(state, path, overwrite=True, process_group=self.process_group,
-                                            max_staging_bytes=self.config.max_staging_bytes)
+        self.last_future = self.checkpointer.async_save(state, path, overwrite=True, process_group=self.process_group,
+                                                        max_staging_bytes=self.config.max_staging_bytes)
         return self.last_future
 
     def _complete_pending(self) -> None:
         """Wait for the async save in flight; on success apply retention."""
-        if self._saver is None or self._pending_step is None:
+        if self._pending_step is None:
             return
         step, self._pending_step = self._pending_step, None
-        self._saver.wait()  # raises the background error, if any
+        self.checkpointer.wait()  # raises the background error, if any
         self._retain(protect=step)
 
     def wait(self) -> None:
@@ -180,7 +208,8 @@ class CheckpointManager:
         self._complete_pending()
 
     def _retain(self, protect: int) -> None:
-        """Delete checkpoints outside the retention policy (rank 0 only)."""
+        """Delete checkpoints outside the retention policy (rank 0 only). Each deletion
+        takes the checkpoint out of readers' sight first (see ``checkpoint_folder``)."""
         if resolve(self.process_group).rank != 0 or self.config.keep_last is None:
             return
         steps = self.steps()
@@ -190,23 +219,34 @@ class CheckpointManager:
         keep.add(protect)
         if self._loaded_step is not None:
             keep.add(self._loaded_step)
-        for s in steps:
-            if s not in keep:
-                shutil.rmtree(self.path(s), ignore_errors=True)
+        with self._open() as f:
+            for s in steps:
+                if s not in keep:
+                    delete_checkpoint(f, step_name(s))
 
     # -- loading ----------------------------------------------------------------------
     def load(self, state: dict[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
         """Load step ``step``, or the latest valid checkpoint when None (skipping incomplete
         or corrupt ones with a warning naming them). Returns the step loaded, or None when
-        there is no checkpoint. Keys in ``exclude_from_loading`` are left untouched."""
+        there is no checkpoint. Keys in ``exclude_from_loading`` are left untouched.
+
+        Rank 0 chooses the candidates (its listing) and every rank follows, so ranks with
+        different views of the folder (NFS attribute caches) never restore different
+        steps; the load itself checks that every rank read the same manifest."""
         self._complete_pending()
         if step is None and self.config.load_step is not None:
             step = self.config.load_step
-        candidates = [step] if step is not None else list(reversed(self.steps()))
+        comm = resolve(self.process_group)
+        if step is not None:
+            candidates = [step]
+        else:
+            mine = list(reversed(self.steps())) if comm.rank == 0 else None
+            count = comm.broadcast_ints([len(mine)] if mine is not None else None, 1)[0]
+            candidates = comm.broadcast_ints(mine, count) if count else []
         for s in candidates:
             try:
-                load(state, self.path(s), strict=strict, process_group=self.process_group,
-                     exclude=self.config.exclude_from_loading)
+                self.checkpointer.load(state, self.path(s), strict=strict, process_group=self.process_group,
+                                       exclude=self.config.exclude_from_loading)
             except (CorruptCheckpointError, CheckpointNotFoundError, FormatVersionError) as exc:
                 if step is not None:
                     raise
@@ -219,33 +259,32 @@ class CheckpointManager:
     # -- final export -----------------------------------------------------------------
     def save_final(self, model: torch.nn.Module, path: PathLike | None = None, *,
                    dtype: torch.dtype | str | None = None) -> Path:
-        """Export the model's full weights as one ``model.safetensors`` file (rank 0 writes)."""
-        from safetensors.torch import save_file
+        """Export the model's full weights as one ``model.safetensors`` file (rank 0 writes),
+        converted to ``dtype`` (default: the config's ``export_dtype``; None keeps the
+        training dtype)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from .engine.outputs import write_safetensors
 
         self._complete_pending()
         out = Path(path) if path is not None else self.folder / "final"
         comm = resolve(self.process_group)
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dtype is None and self.config.export_dtype != "float32":
+        if dtype is None:
             dtype = self.config.export_dtype
         if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+            dtype = getattr(torch, dtype.removeprefix("torch."))
         if comm.rank == 0:
             tensors = {}
-            seen: set[int] = set()
             for k, v in sd.items():
                 v = v.detach()
                 if dtype is not None and v.is_floating_point():
                     v = v.to(dtype)
-                v = v.contiguous()
-                ptr = v.untyped_storage().data_ptr()
-                if v.numel() and ptr in seen:
-                    v = v.clone()  # tied weights: safetensors files hold no shared memory
-                seen.add(ptr)
                 tensors[k] = v
-            out.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "producer": "shardsafe"})
+            backend, location = self.checkpointer.locate(out)
+            with backend.open(location, create=True) as folder:
+                folder.remove("model.safetensors")
+                write_safetensors(folder, "model.safetensors", tensors, {"format": "pt", "producer": "shardsafe"})
         if comm.distributed:
             import torch.distributed as dist
 
@@ -255,29 +294,17 @@ class CheckpointManager:
     # -- lifecycle --------------------------------------------------------------------
     def close(self) -> None:
         """Wait for pending work; the manager can no longer save afterwards."""
-        self._complete_pending()
-        self._saver = None
+        if self._closed:
+            return
+        try:
+            self._complete_pending()
+        finally:
+            self._closed = True
+            if self._owns_checkpointer:
+                self.checkpointer.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def latest_step(folder: PathLike) -> int | None:
-    """The newest step folder whose manifest parses and verifies (no data hashing)."""
-    folder = Path(folder)
-    found = []
-    if folder.is_dir():
-        for p in folder.iterdir():
-            m = STEP_RE.match(p.name)
-            if m and local.is_committed(p):
-                found.append(int(m.group(1)))
-    for s in sorted(found, reverse=True):
-        try:
-            read_manifest(step_dir(folder, s))
-            return s
-        except CheckpointError:
-            continue
-    return None

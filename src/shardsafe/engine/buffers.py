@@ -19,27 +19,33 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """A CPU, contiguous, conjugation-resolved tensor with ``t``'s values (``t`` itself when possible)."""
-    t = resolved(t)
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    return t.contiguous()
+def dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements lie back to back in row-major order in its memory (what
+    ``is_contiguous`` says; a one-element tensor or a size-1 dim may have any stride)."""
+    return t.is_contiguous()
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The memory of a dense tensor (see :func:`dense`) as a flat uint8 tensor (shares
+    memory). Works for any strides torch calls contiguous, e.g. ``torch.arange(8.)[::8]``."""
+    n = t.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.detach().as_strided((n,), (1,)).view(torch.uint8)
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
-    """The raw bytes of a contiguous CPU tensor as a writable uint8 numpy array (shares memory)."""
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
+    """The raw bytes of a dense CPU tensor as a writable uint8 numpy array (shares memory)."""
+    if t.numel() == 0:
         return np.empty(0, dtype=np.uint8)
-    return flat.view(torch.uint8).numpy()
+    return flat_bytes(t).numpy()
 
 
 def writable_bytes(t: torch.Tensor) -> memoryview:
-    """The memory of a contiguous CPU tensor as a writable byte memoryview (shares memory;
-    the caller keeps ``t`` alive while using it). Cheaper than :func:`byte_view` (one
-    ctypes call instead of three torch calls), which matters for thousands of tensors."""
-    assert t.device.type == "cpu" and t.is_contiguous()
+    """The memory of a dense CPU tensor as a writable byte memoryview (shares memory; the
+    caller keeps ``t`` alive while using it). Cheaper than :func:`byte_view` (one ctypes
+    call instead of three torch calls), which matters for thousands of tensors."""
+    assert t.device.type == "cpu" and dense(t)
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray(0))

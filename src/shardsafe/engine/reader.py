@@ -1,67 +1,105 @@
-"""Execute read plans: check files, verify block checksums, and land bytes in the
-destination tensors (straight into their memory when the layout allows).
+"""The one reader: opens a checkpoint's data files, verifies checksum blocks, and lands
+bytes in destination tensors — for ``load``, ``load_full``, ``verify``, ``export`` and
+``diff`` alike.
 
-Verification order keeps a failed load from touching the destination: blocks needed
-by in-place reads are hashed from the file *before* any destination byte is written;
-reads into memory the loader allocated itself are hashed after they land (one pass).
+- Files are opened from the checkpoint's pinned folder (so a load keeps reading one
+  checkpoint while another is renamed into its place), checked for size, and their
+  safetensors header checked against the manifest (digest, and every chunk the manifest
+  places in the file: same byte range, dtype and shape), once per file per session.
+- Verification reads the bytes (``pread`` into a small reused buffer; nothing is mapped,
+  so a file truncated meanwhile gives a CheckpointError, not SIGBUS) and hashes each
+  block while it is cached.
+- Landing reads straight into the destination's memory when its layout allows, else
+  through a staging buffer leased from the memory budget; ``post_verify`` ops (memory
+  the loader allocated itself) are hashed after they land, in one pass.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import NamedTuple
 
-import numpy as np
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.checksum import checksum
-from ..format.manifest import Chunk, Manifest
-from ..plan.load_plan import ReadOp
-from ..storage.local import read_into
-from .buffers import byte_view, writable_bytes
-
-Buffer = memoryview | np.ndarray  # writable bytes that a read lands in
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..layout import Box
+from ..plan.load_plan import BlockCheck, ReadOp
+from ..storage.base import Folder, ReadHandle
+from .buffers import writable_bytes
+from .memory import HostMemory, Lease
 
 IOV_MAX = 1024
-MAP_WINDOW = 16 << 20  # mapped file pages count in RSS: keep two threads' windows small
+BATCH_BYTES = 8 << 20  # direct reads are batched up to this size (threads share many small tensors)
+VERIFY_WINDOW = 2 << 20  # bytes read at once for verification (then hashed while cached)
 
 
 class OpenFiles:
-    """File descriptors of a checkpoint's data files, opened on demand, checked for size."""
+    """The data files of one checkpoint, opened on demand from its pinned folder.
 
-    def __init__(self, root: Path, manifest: Manifest) -> None:
-        self.root = root
+    Thread-safe. ``check_header`` verifies a file's header once; missing, truncated,
+    replaced and non-regular files raise CorruptCheckpointError naming the file."""
+
+    def __init__(self, folder: Folder, manifest: Manifest, check_sizes: bool = True) -> None:
+        self.folder = folder
         self.manifest = manifest
-        self.fds: dict[int, int] = {}
-
-    def fd(self, index: int) -> int:
-        if index not in self.fds:
-            entry = self.manifest.files[index]
-            path = self.root / entry.name
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"data file {path} is missing") from None
-            size = os.fstat(fd).st_size
-            if size != entry.nbytes:
-                os.close(fd)
-                raise CorruptCheckpointError(
-                    f"data file {path} has {size} bytes, the manifest says {entry.nbytes} (truncated or replaced)"
-                )
-            self.fds[index] = fd
-        return self.fds[index]
+        self.check_sizes = check_sizes  # ``verify`` reports size mismatches itself
+        self.handles: dict[int, ReadHandle] = {}
+        self.headers_ok: set[int] = set()
+        self._lock = threading.Lock()
 
     def name(self, index: int) -> str:
-        return str(self.root / self.manifest.files[index].name)
+        """The printable location of file ``index``."""
+        return self.folder.where(self.manifest.files[index].name)
+
+    def handle(self, index: int) -> ReadHandle:
+        """The open handle of file ``index`` (size checked)."""
+        h = self.handles.get(index)
+        if h is not None:
+            return h
+        with self._lock:
+            h = self.handles.get(index)
+            if h is None:
+                h = self._open(index)
+                self.handles[index] = h
+            return h
+
+    def _open(self, index: int) -> ReadHandle:
+        entry = self.manifest.files[index]
+        try:
+            h = self.folder.open_read(entry.name)
+        except CheckpointNotFoundError:
+            if self.folder.kind(MANIFEST_NAME) is None:
+                raise CheckpointChangedError(
+                    f"{self.folder.location}: the checkpoint was deleted or replaced while it was read") from None
+            raise CorruptCheckpointError(f"data file {self.name(index)} is missing") from None
+        if h.size != entry.nbytes and self.check_sizes:
+            h.close()
+            raise CorruptCheckpointError(
+                f"data file {self.name(index)} has {h.size} bytes, the manifest says {entry.nbytes} "
+                f"({'truncated' if h.size < entry.nbytes else 'replaced or appended to'})")
+        return h
+
+    def check_header(self, index: int) -> None:
+        """Verify file ``index``'s header against the manifest (once per session)."""
+        if index in self.headers_ok:
+            return
+        entry = self.manifest.files[index]
+        buf = bytearray(entry.header_bytes)
+        self.handle(index).read_into([memoryview(buf)], 0)
+        if checksum(buf) != entry.header_checksum:
+            raise CorruptCheckpointError(f"checksum mismatch in the header of {self.name(index)}: the file is corrupt")
+        check_header_matches(bytes(buf), self.manifest, index, self.name(index))
+        self.headers_ok.add(index)
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        """Close every handle."""
+        with self._lock:
+            for h in self.handles.values():
+                h.close()
+            self.handles.clear()
 
     def __enter__(self) -> OpenFiles:
         return self
@@ -70,170 +108,41 @@ class OpenFiles:
         self.close()
 
 
-def _bad_block(files: OpenFiles, key: str, chunk: Chunk, lo: int, hi: int) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"checksum mismatch in {files.name(chunk.file)}, tensor '{key}', bytes {lo}-{hi}: the data is corrupt"
-    )
+def check_header_matches(header: bytes, manifest: Manifest, index: int, where: str) -> None:
+    """Check that data file ``index``'s safetensors header places every chunk the manifest
+    puts in it at the same byte range, with the same dtype and shape (a manifest whose
+    dtype contradicts the file would otherwise reinterpret its bytes)."""
+    from ..format.datafile import ClaimedChunk, check_chunks_against_header, parse_header
+    from ..format.dtypes import safetensors_code, torch_dtype
+
+    entries = parse_header(header, where)
+    claims = []
+    for key, chunk in manifest.chunks_in_file(index):
+        dtype = torch_dtype(manifest.tensors[key].dtype)
+        if dtype is None:
+            raise CorruptCheckpointError(f"tensor '{key}': unknown dtype {manifest.tensors[key].dtype!r}")
+        claims.append(ClaimedChunk(safetensors_code(dtype), tuple(chunk.lengths), chunk.start, chunk.end, key))
+    check_chunks_against_header(entries, len(header), claims, where)
 
 
-def verify_headers(files: OpenFiles, indices: set[int]) -> None:
-    """Check the safetensors header bytes of the given files against the manifest."""
-    for i in sorted(indices):
-        entry = files.manifest.files[i]
-        buf = bytearray(entry.header_bytes)
-        read_into(files.fd(i), memoryview(buf), 0, files.name(i))
-        if checksum(buf) != entry.header_checksum:
-            raise CorruptCheckpointError(f"checksum mismatch in the header of {files.name(i)}: the file is corrupt")
-
-
-def needed_blocks(op: ReadOp, block: int) -> list[int]:
-    """Indices of the checksum blocks of ``op.chunk`` that ``op``'s runs touch."""
-    start = op.chunk.start
-    out: set[int] = set()
-    for s, n in op.runs:
-        if n == 0:
-            continue
-        out.update(range((s - start) // block, (s - start + n - 1) // block + 1))
-    if not out and op.chunk.end == op.chunk.start:
-        out.add(0)
-    return sorted(out)
-
-
-class BlockCheck(NamedTuple):
-    """One checksum block to verify: bytes [lo, hi) of file ``file`` must hash to ``expected``."""
-
-    file: int
-    lo: int
-    hi: int
-    expected: str
-    key: str
-    chunk: Chunk
-
-
-def block_checks(key: str, chunk: Chunk, blocks: list[int], block: int) -> list[BlockCheck]:
-    """The checks for the given block indices of ``chunk``."""
-    if chunk.end == chunk.start:
-        return [BlockCheck(chunk.file, chunk.start, chunk.end, chunk.checksum[0], key, chunk)]
-    if len(chunk.checksum) != -(-(chunk.end - chunk.start) // block):
-        raise CorruptCheckpointError(f"manifest: tensor '{key}' has a wrong number of block checksums")
-    out = []
-    for b in blocks:
-        lo = chunk.start + b * block
-        out.append(BlockCheck(chunk.file, lo, min(chunk.end, lo + block), chunk.checksum[b], key, chunk))
-    return out
-
-
-def windows(checks: list[BlockCheck]) -> list[list[BlockCheck]]:
-    """Group checks (sorted by file and offset) into windows mapped at once: same file, at
-    most MAP_WINDOW bytes from first to last byte, gaps under 1 MiB."""
+def windows(checks: list[BlockCheck], limit: int = VERIFY_WINDOW) -> list[list[BlockCheck]]:
+    """Group checks (sorted by file and offset) into reads: same file, back to back, at
+    most ``limit`` bytes (a larger block is a window of its own)."""
     out: list[list[BlockCheck]] = []
     for c in checks:
         if out:
             first, last = out[-1][0], out[-1][-1]
-            if c.file == first.file and c.hi - first.lo <= MAP_WINDOW and c.lo - last.hi < (1 << 20):
+            if c.file == first.file and c.lo == last.hi and c.hi - first.lo <= limit:
                 out[-1].append(c)
                 continue
         out.append([c])
     return out
 
 
-def _hash_window(files: OpenFiles, window: list[BlockCheck]) -> int:
-    """Hash one window's blocks straight from the page cache through one short-lived map;
-    returns the bytes hashed."""
-    lo, hi = window[0].lo, max(c.hi for c in window)
-    if hi == lo:
-        for c in window:
-            if checksum(b"") != c.expected:
-                raise _bad_block(files, c.key, c.chunk, c.lo, c.hi)
-        return 0
-    base = lo - lo % mmap.ALLOCATIONGRANULARITY
-    hashed = 0
-    with mmap.mmap(files.fd(window[0].file), hi - base, prot=mmap.PROT_READ, offset=base) as mm:
-        view = memoryview(mm)
-        try:
-            for c in window:
-                if checksum(view[c.lo - base: c.hi - base]) != c.expected:
-                    raise _bad_block(files, c.key, c.chunk, c.lo, c.hi)
-                hashed += c.hi - c.lo
-        finally:
-            view.release()
-    return hashed
-
-
-def _hash_landed(files: OpenFiles, op: ReadOp, target: Buffer, block: int) -> None:
-    """Verify a whole chunk that has been read into ``target``."""
-    chunk = op.chunk
-    n = chunk.end - chunk.start
-    if len(chunk.checksum) != max(1, -(-n // block)):
-        raise CorruptCheckpointError(f"manifest: tensor '{op.fill.key}' has a wrong number of block checksums")
-    mv = memoryview(target)
-    for b, expected in enumerate(chunk.checksum):
-        piece = mv[b * block: (b + 1) * block]
-        if checksum(piece) != expected:
-            raise _bad_block(files, op.fill.key, chunk, chunk.start + b * block, chunk.start + b * block + len(piece))
-
-
-def _direct_target(op: ReadOp) -> memoryview:
-    """The slice of the destination's bytes that ``op`` fills directly."""
-    lo, hi = op.dest_range  # type: ignore[misc]
-    return writable_bytes(op.fill.tensor)[lo:hi]
-
-
-def _read_runs(files: OpenFiles, op: ReadOp, target: Buffer) -> None:
-    fd = files.fd(op.chunk.file)
-    mv = memoryview(target)
-    pos = 0
-    for s, n in op.runs:
-        read_into(fd, mv[pos: pos + n], s, files.name(op.chunk.file))
-        pos += n
-
-
-def _read_batch(files: OpenFiles, batch: list[tuple[ReadOp, Buffer]]) -> None:
-    """One preadv for ops whose single runs sit back to back in one file."""
-    if len(batch) == 1:
-        _read_runs(files, *batch[0])
-        return
-    op0 = batch[0][0]
-    fd = files.fd(op0.chunk.file)
-    start = op0.runs[0][0]
-    bufs = [memoryview(t) for _, t in batch if t.nbytes]
-    total = sum(b.nbytes for b in bufs)
-    got = os.preadv(fd, bufs, start) if bufs else 0
-    if got < total:  # short read: finish op by op
-        for op, t in batch:
-            _read_runs(files, op, t)
-
-
-BATCH_BYTES = 8 << 20
-
-
-def _batches(items: list[tuple[ReadOp, Buffer]]) -> list[list[tuple[ReadOp, Buffer]]]:
-    """Group single-run ops on adjacent byte ranges of the same file into vectored reads
-    of at most IOV_MAX buffers and about BATCH_BYTES (so that threads can share the work)."""
-    items = sorted(items, key=lambda it: (it[0].chunk.file, it[0].runs[0][0] if it[0].runs else 0))
-    out: list[list[tuple[ReadOp, Buffer]]] = []
-    size = 0
-    for it in items:
-        op = it[0]
-        if out and len(op.runs) == 1 and len(out[-1]) < IOV_MAX and size + op.runs[0][1] <= BATCH_BYTES:
-            last = out[-1][-1][0]
-            if (
-                len(last.runs) == 1
-                and last.chunk.file == op.chunk.file
-                and last.runs[0][0] + last.runs[0][1] == op.runs[0][0]
-            ):
-                out[-1].append(it)
-                size += op.runs[0][1]
-                continue
-        out.append([it])
-        size = op.runs[0][1] if op.runs else 0
-    return out
-
-
-def _split(work: list, weights: list[int], parts: int) -> list[list]:
-    """Deal work items to ``parts`` lists with about equal total weight (largest first)."""
-    bins: list[list] = [[] for _ in range(parts)]
-    load = [0] * parts
+def split_work(work: list, weights: list[int], parts: int) -> list[list]:
+    """Deal work items to ``parts`` lists of about equal total weight (largest first)."""
+    bins: list[list] = [[] for _ in range(max(1, parts))]
+    load = [0] * len(bins)
     for w, item in sorted(zip(weights, range(len(work))), key=lambda x: -x[0]):
         i = load.index(min(load))
         bins[i].append(work[item])
@@ -241,114 +150,200 @@ def _split(work: list, weights: list[int], parts: int) -> list[list]:
     return [b for b in bins if b]
 
 
-class ReadSession:
-    """Runs a load's read ops in two steps, so that ranks can agree on errors in between:
-    :meth:`verify` checks headers and the blocks to be read; :meth:`read` lands all bytes.
+class Problems:
+    """Collects bad blocks instead of raising (``shardsafe verify``)."""
 
-    With ``verify_all_first`` (what an in-place load needs) every block is checked before
-    anything lands; otherwise blocks that land in memory the loader allocated itself are
-    checked as they land (one pass fewer; for ``load_full``, where a failure touches
-    nothing of the caller's)."""
+    def __init__(self) -> None:
+        self.bad: list[BlockCheck] = []
+        self.errors: list[tuple[int, CheckpointError]] = []  # (file, error) for unreadable windows
+        self._lock = threading.Lock()
 
-    def __init__(self, root: Path, manifest: Manifest, ops: list[ReadOp], *, verify: bool, block: int,
-                 threads: int | None = None, verify_all_first: bool = True) -> None:
-        if threads is None:
-            threads = max(2, min(8, os.cpu_count() or 2))
-        self.files = OpenFiles(root, manifest)
-        self.ops = ops
-        self.verify_enabled = verify
-        self.block = block
-        self.threads = threads
-        self.pool = ThreadPoolExecutor(threads)
-        self.verified_bytes = 0  # bytes hashed from files before landing (whole checksum blocks)
-        self.copied_bytes = 0  # bytes landed in destinations
-        self.post_verify = [] if verify_all_first else [
-            op for op in ops if verify and op.fill.fresh and op.whole_chunk and op.dest_range is not None
-        ]
+    def add(self, check: BlockCheck) -> None:
+        with self._lock:
+            self.bad.append(check)
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        self.files.close()
+    def add_error(self, file: int, error: CheckpointError) -> None:
+        with self._lock:
+            self.errors.append((file, error))
 
-    def __enter__(self) -> ReadSession:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+class Reader:
+    """Runs block checks and read ops on ``threads`` threads, buffers leased from ``memory``."""
 
-    def verify(self) -> None:
-        """Check file sizes, headers and the checksum of every block read in place."""
-        for i in sorted({op.chunk.file for op in self.ops}):
-            self.files.fd(i)  # size checks first
-        if not self.verify_enabled:
-            return
-        verify_headers(self.files, {op.chunk.file for op in self.ops})
-        post_ids = {id(op) for op in self.post_verify}
-        pre: dict[tuple[int, int], tuple[str, Chunk, set[int]]] = {}
-        for op in self.ops:
-            if id(op) in post_ids:
-                continue
-            entry = pre.setdefault((op.chunk.file, op.chunk.start), (op.fill.key, op.chunk, set()))
-            entry[2].update(needed_blocks(op, self.block))
-        checks = [c for key, chunk, bl in pre.values() for c in block_checks(key, chunk, sorted(bl), self.block)]
-        checks.sort(key=lambda c: (c.file, c.lo))
+    def __init__(self, files: OpenFiles, memory: HostMemory, threads: int = 2,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.files = files
+        self.memory = memory
+        self.threads = max(1, threads)
+        self.progress = progress
+
+    # -- verification -----------------------------------------------------------------------
+    def verify(self, checks: list[BlockCheck], problems: Problems | None = None,
+               headers: set[int] | None = None) -> int:
+        """Check the headers of files ``headers`` (default: the files of ``checks``), then
+        hash every checked block from its file; the first mismatch raises (or, with
+        ``problems``, every block mismatch is collected). Returns the bytes hashed."""
+        for f in sorted({c.file for c in checks} if headers is None else headers):
+            self.files.check_header(f)
         groups = windows(checks)
-        parts = _split(groups, [w[-1].hi - w[0].lo + 4096 for w in groups], self.threads)
-        for f in [self.pool.submit(_run_hash_windows, self.files, g) for g in parts]:
-            self.verified_bytes += f.result()
+        parts = split_work(groups, [w[-1].hi - w[0].lo + 4096 for w in groups], self.threads)
+        return sum(self._run(self._hash_windows, parts, problems))
 
-    def read(self) -> int:
-        """Land every op's bytes in its destination. Returns the distinct bytes of data
-        files this load touched: the blocks verified before landing (which include the
-        bytes then copied from them) plus the bytes landed without a prior check."""
-        direct = [(op, _direct_target(op)) for op in self.ops if op.dest_range is not None]
-        staged = [op for op in self.ops if op.dest_range is None]
+    def _hash_windows(self, group: list[list[BlockCheck]], problems: Problems | None) -> int:
+        size = min(max((w[-1].hi - w[0].lo for w in group), default=1), max(VERIFY_WINDOW, 1))
+        lease: Lease | None = None
+        hashed = 0
+        try:
+            for w in group:
+                lo, hi = w[0].lo, w[-1].hi
+                if lease is None or lease.nbytes < hi - lo:
+                    if lease is not None:
+                        lease.release()
+                    lease = self.memory.lease(max(size, hi - lo))
+                view = memoryview(lease.tensor.numpy())[: hi - lo]
+                try:
+                    if hi > lo:
+                        self.files.handle(w[0].file).read_into([view], lo)
+                except CheckpointError as exc:
+                    if problems is None:
+                        raise
+                    problems.add_error(w[0].file, exc)
+                    continue
+                for c in w:
+                    if checksum(view[c.lo - lo: c.hi - lo]) != c.expected:
+                        if problems is None:
+                            raise CorruptCheckpointError(
+                                f"checksum mismatch in {self.files.name(c.file)}, tensor '{c.key}', "
+                                f"bytes {c.lo}-{c.hi}: the data is corrupt")
+                        problems.add(c)
+                hashed += hi - lo
+                if self.progress is not None:
+                    self.progress(hi - lo)
+        finally:
+            if lease is not None:
+                lease.release()
+        return hashed
+
+    # -- landing ----------------------------------------------------------------------------
+    def land(self, ops: list[ReadOp], dests: list[torch.Tensor], boxes: list[Box], *, max_buffer: int,
+             post_verify: Callable[[ReadOp], bool] | None = None, block: int = 1 << 20) -> int:
+        """Land every op's bytes in its destination (``dests[op.dest]``, which holds global
+        box ``boxes[op.dest]`` of its tensor); ops for which
+        ``post_verify`` is true are hashed after landing (whole chunks only). Returns the
+        bytes landed."""
+        direct = [(op, writable_bytes(dests[op.dest])[op.dest_range[0]: op.dest_range[1]])
+                  for op in ops if op.dest_range is not None]
+        staged = [op for op in ops if op.dest_range is None]
+        for f in sorted({op.file for op in ops}):
+            self.files.handle(f)  # open (and size-check) every file before any byte lands
         batches = _batches(direct)
-        groups = _split(batches, [sum(op.nbytes for op, _ in b) for b in batches], self.threads)
-        futures = [self.pool.submit(_run_read_group, self.files, g) for g in groups]
-        if staged:
-            self._read_staged(staged)
-        for f in futures:
-            f.result()
-        if self.post_verify:
-            landed = {id(op): t for op, t in direct}
-            jobs = [(op, landed[id(op)]) for op in self.post_verify if id(op) in landed]
-            groups = _split(jobs, [op.nbytes for op, _ in jobs], self.threads)
-            for f in [self.pool.submit(_run_post_verify, self.files, g, self.block) for g in groups]:
-                f.result()
-        self.copied_bytes = sum(op.nbytes for op in self.ops)
-        if not self.verify_enabled:
-            return self.copied_bytes
-        post_ids = {id(op) for op in self.post_verify}
-        return self.verified_bytes + sum(op.nbytes for op in self.ops if id(op) in post_ids)
+        groups = split_work(batches, [sum(op.nbytes for op, _ in b) for b in batches], self.threads)
+        with ThreadPoolExecutor(max(1, len(groups) - 1), thread_name_prefix="shardsafe-read") as pool:
+            futures = [pool.submit(self._read_batches, g) for g in groups[1:]]
+            try:
+                if groups:
+                    self._read_batches(groups[0])
+                if staged:
+                    self._read_staged(staged, dests, boxes, max_buffer)
+            finally:
+                for fut in futures:
+                    fut.result()
+            if post_verify is not None:
+                jobs = [(op, view) for op, view in direct if post_verify(op)]
+                parts = split_work(jobs, [op.nbytes for op, _ in jobs], self.threads)
+                futures = [pool.submit(self._hash_landed, part, block) for part in parts[1:]]
+                try:
+                    if parts:
+                        self._hash_landed(parts[0], block)
+                finally:
+                    for fut in futures:
+                        fut.result()
+        return sum(op.nbytes for op in ops)
 
-    def _read_staged(self, ops: list[ReadOp]) -> None:
-        """Ops whose bytes are scattered in the destination: through one reused buffer."""
+    def _read_batches(self, batches: list[list[tuple[ReadOp, memoryview]]]) -> None:
+        """Each batch: one vectored read of single-run ops back to back in a file, or one
+        op whose runs (rows of a box) land one after another in its destination range."""
+        for batch in batches:
+            op0, view0 = batch[0]
+            handle = self.files.handle(op0.file)
+            if len(batch) == 1 and len(op0.runs) != 1:
+                pos = 0
+                for s, n in op0.runs:
+                    handle.read_into([view0[pos: pos + n]], s)
+                    pos += n
+                done = pos
+            else:
+                bufs = [view for _, view in batch if len(view)]
+                if bufs:
+                    handle.read_into(bufs, op0.runs[0][0])
+                done = sum(len(b) for b in bufs)
+            if self.progress is not None:
+                self.progress(done)
+
+    def _read_staged(self, ops: list[ReadOp], dests: list[torch.Tensor], boxes: list[Box], max_buffer: int) -> None:
+        """Ops whose bytes are scattered in the destination: through one leased buffer."""
         size = max(op.nbytes for op in ops)
-        buffer = torch.empty(size, dtype=torch.uint8)
-        raw = byte_view(buffer)
-        for op in ops:
-            n = op.nbytes
-            _read_runs(self.files, op, raw[:n])
-            dtype = op.fill.tensor.dtype
-            piece = buffer[:n].view(dtype).view(op.box.lengths) if n else torch.empty(op.box.lengths, dtype=dtype)
-            rel = op.box.relative_to(op.fill.box)
-            with torch.no_grad():
-                op.fill.tensor[rel.slices()].copy_(piece)
+        lease = self.memory.lease(min(max(size, 1), max(max_buffer, size)))
+        try:
+            raw = memoryview(lease.tensor.numpy())
+            for op in ops:
+                n = op.nbytes
+                handle = self.files.handle(op.file)
+                pos = 0
+                for s, m in op.runs:
+                    handle.read_into([raw[pos: pos + m]], s)
+                    pos += m
+                dest = dests[op.dest]
+                dtype = dest.dtype
+                piece = lease.tensor[:n].view(dtype).view(op.box.lengths) if n else torch.empty(op.box.lengths,
+                                                                                               dtype=dtype)
+                with torch.no_grad():
+                    dest[op.box.relative_to(boxes[op.dest]).slices()].copy_(piece)
+                if self.progress is not None:
+                    self.progress(n)
+        finally:
+            lease.release()
+
+    def _hash_landed(self, jobs: list[tuple[ReadOp, memoryview]], block: int) -> None:
+        for op, view in jobs:
+            chunk = op.chunk
+            for b, expected in enumerate(chunk.checksum):
+                piece = view[b * block: (b + 1) * block]
+                if checksum(piece) != expected:
+                    lo = chunk.start + b * block
+                    raise CorruptCheckpointError(
+                        f"checksum mismatch in {self.files.name(chunk.file)}, tensor '{op.key}', "
+                        f"bytes {lo}-{lo + len(piece)}: the data is corrupt")
+
+    # -- threads ----------------------------------------------------------------------------
+    def _run(self, fn: Callable, parts: list, problems: Problems | None) -> list:
+        if len(parts) <= 1:
+            return [fn(p, problems) for p in parts]
+        with ThreadPoolExecutor(len(parts) - 1, thread_name_prefix="shardsafe-read") as pool:
+            futures = [pool.submit(fn, p, problems) for p in parts[1:]]
+            out = []
+            try:
+                out.append(fn(parts[0], problems))
+            finally:
+                out.extend(f.result() for f in futures)
+            return out
 
 
-def _run_hash_windows(files: OpenFiles, group: list[list[BlockCheck]]) -> int:
-    return sum(_hash_window(files, w) for w in group)
+def _batches(items: list[tuple[ReadOp, memoryview]]) -> list[list[tuple[ReadOp, memoryview]]]:
+    """Group single-run ops on adjacent byte ranges of the same file into vectored reads
+    of at most IOV_MAX buffers and about BATCH_BYTES."""
+    items = sorted(items, key=lambda it: (it[0].file, it[0].runs[0][0] if it[0].runs else 0))
+    out: list[list[tuple[ReadOp, memoryview]]] = []
+    size = 0
+    for it in items:
+        op = it[0]
+        if out and len(op.runs) == 1 and len(out[-1]) < IOV_MAX and size + op.runs[0][1] <= BATCH_BYTES:
+            last = out[-1][-1][0]
+            if len(last.runs) == 1 and last.file == op.file and last.runs[0][0] + last.runs[0][1] == op.runs[0][0]:
+                out[-1].append(it)
+                size += op.runs[0][1]
+                continue
+        out.append([it])
+        size = op.runs[0][1] if op.runs else 0
+    return out
 
-
-def _run_read_group(files: OpenFiles, batches: list) -> None:
-    for b in batches:
-        _read_batch(files, b)
-
-
-def _run_post_verify(files: OpenFiles, jobs: list, block: int) -> None:
-    for op, target in jobs:
-        _hash_landed(files, op, target, block)
-
-
-__all__ = ["ReadSession", "OpenFiles"]

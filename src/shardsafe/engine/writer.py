@@ -1,142 +1,391 @@
-"""Write one data file: header, chunks back to back, fsync; each checksum block is hashed
-and written in the same pass (hash, then write while the bytes are still in the core's
-cache), by a few threads taking consecutive stretches of the file."""
+"""The one write-and-hash routine: every data file a save writes (sync or async, CPU or
+GPU tensors) goes through :class:`FileWriter`.
+
+A file's bytes after its header are cut into *stretches*: runs of whole checksum blocks
+(of one chunk or of several small consecutive chunks), so every block is hashed in one
+call, whichever thread takes its stretch. A stretch's bytes come from one of two places:
+
+- **borrowed**: views of the source tensors' own memory, when the source is a dense CPU
+  tensor and the caller waits until the write is done (a sync save): nothing is copied;
+- **staged**: a slot leased from the per-rank :class:`~shardsafe.engine.memory.HostMemory`
+  budget, filled by copies (GPU tensors, non-dense views, and every tensor of an async
+  save, whose caller may change its tensors once staging returns).
+
+:meth:`FileWriter.stage` (on the caller's thread) produces stretches; writer threads take
+them, hash each block and write it while it is still in the core's cache (one pass over
+memory), then release the slot. A state larger than the budget streams through it: the
+caller waits for slots.
+"""
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+
+import torch
 
 from ..format.checksum import checksum
-from ..format.datafile import ChunkEntry, build_header
-from ..format.dtypes import safetensors_code
 from ..format.manifest import FileEntry
-from ..plan.save_plan import FilePlan, WriteItem
-from ..storage.local import write_all
-from .buffers import byte_view, cpu_contiguous
+from ..plan.save_plan import ChunkWrite, FileWrite
+from ..storage.base import Folder, WriteHandle
+from .buffers import dense, flat_bytes, resolved
+from .memory import HostMemory, Lease
 from .parallel import run_shares
 
+BORROW_STRETCH = 8 << 20  # bytes per stretch of borrowed memory (threads share a file in these)
+SLOT = 64 << 20  # bytes per staging slot
+COPY_THREADS = 4  # at most this many threads copy into one slot (the caller included)
+PARALLEL_MIN = 8 << 20  # states smaller than this are staged by the caller alone
 IOV_MAX = 1024
+
+Source = Callable[[ChunkWrite], torch.Tensor]
 
 
 @dataclass
-class WrittenChunk:
-    """Where a chunk landed and its block checksums."""
+class Stretch:
+    """Bytes [offset, offset + size) of the file: ``pieces`` back to back, each piece one
+    checksum block (or a whole small chunk) ``(chunk index, block index, bytes)``."""
 
-    item: WriteItem
-    start: int
-    end: int
-    checksums: list[str]
-
-
-def block_checksums(view, block: int) -> list[str]:
-    """Checksums of consecutive ``block``-byte pieces of ``view`` (at least one)."""
-    n = len(view)
-    if n == 0:
-        return [checksum(b"")]
-    mv = memoryview(view)
-    return [checksum(mv[i: i + block]) for i in range(0, n, block)]
+    offset: int
+    pieces: list[tuple[int, int, memoryview]]
+    lease: Lease | None = None
+    event: object = None  # a CUDA event the copies into the slot recorded
 
 
-def write_data_file(
-    directory: Path, plan: FilePlan, block: int, threads: int = 2, fsync: bool = True
-) -> tuple[FileEntry, list[WrittenChunk]]:
-    """Write ``plan`` as one safetensors-layout file in ``directory`` with ``threads``
-    threads (the caller's included) and fsync it; every chunk's block checksums are
-    computed from the bytes as they are written."""
-    sources = [cpu_contiguous(it.source) for it in plan.items]
-    views = [byte_view(s) for s in sources]
-    entries = [
-        ChunkEntry(_name(it), safetensors_code(s.dtype), it.box.lengths, v.nbytes)
-        for it, s, v in zip(plan.items, sources, views)
-    ]
-    header, ranges = build_header(entries)
-    path = directory / plan.name
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        write_all(fd, memoryview(header), 0)
-        sums = write_and_hash(fd, views, [s for s, _ in ranges], block, threads)
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    total = ranges[-1][1] if ranges else len(header)
-    entry = FileEntry(plan.name, total, plan.rank, len(header), checksum(header))
-    written = [WrittenChunk(it, s, e, c) for it, (s, e), c in zip(plan.items, ranges, sums)]
-    return entry, written
+@dataclass
+class WrittenFile:
+    """A finished data file: its manifest entry and each chunk's block checksums."""
+
+    entry: FileEntry
+    checksums: list[list[str]]
 
 
-SEGMENT_UNITS = 8  # a thread takes this many consecutive units (~8 MiB) at a time
+def _copy_parts(pairs: list[tuple[torch.Tensor, torch.Tensor]], parts: int) -> list[list[tuple]]:
+    """Cut (dst, src) byte-tensor pairs into ``parts`` lists of about equal byte counts."""
+    total = sum(d.numel() for d, _ in pairs)
+    share = max(1, -(-total // parts))
+    out: list[list[tuple]] = [[] for _ in range(parts)]
+    i, room = 0, share
+    for dst, src in pairs:
+        off, n = 0, dst.numel()
+        while off < n:
+            take = n - off if i == parts - 1 else min(n - off, room)
+            out[i].append((dst[off: off + take], src[off: off + take]))
+            off += take
+            room -= take
+            if room == 0 and i < parts - 1:
+                i, room = i + 1, share
+    return out
 
 
-def _block_sum(piece: memoryview) -> str:
-    return checksum(piece)
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
 
 
-def write_and_hash(fd: int, views: list, starts: list[int], block: int, threads: int = 1) -> list[list[str]]:
-    """Write each view at its file offset and return its block checksums (at least one per
-    view), in one pass over memory: a unit (one checksum block of a large view, or a run of
-    small views up to a block) is hashed, then written while still cached. ``threads``
-    threads (the caller and helpers it starts and joins) share the units in stretches of
-    SEGMENT_UNITS consecutive units."""
-    sums: list[list[str | None]] = [[None] * max(1, -(-v.nbytes // block)) for v in views]
-    units: list[tuple[list[memoryview], int, list[tuple[int, int]]]] = []
-    pieces: list[memoryview] = []
-    keys: list[tuple[int, int]] = []
-    offset = size = 0
-    for vi, (v, start) in enumerate(zip(views, starts)):
-        mv = memoryview(v).cast("B") if v.nbytes else memoryview(b"")
-        for bi in range(len(sums[vi])):
-            piece = mv[bi * block: (bi + 1) * block]
-            at = start + bi * block
-            if pieces and (offset + size != at or size + len(piece) > block or len(pieces) >= IOV_MAX):
-                units.append((pieces, offset, keys))
-                pieces, keys, size = [], [], 0
-            if not pieces:
-                offset = at
-            pieces.append(piece)
-            keys.append((vi, bi))
-            size += len(piece)
-    if pieces:
-        units.append((pieces, offset, keys))
+class FileWriter:
+    """Writes one data file of a save: :meth:`start` the writer threads, :meth:`stage` on
+    the caller's thread, then :meth:`finish` (on any thread) waits for the writes, makes
+    the file durable and returns what was written. :meth:`abort` stops everything.
 
-    def run(stretches: list[list[tuple[list[memoryview], int, list[tuple[int, int]]]]]) -> None:
-        for stretch in stretches:
-            for unit_pieces, unit_offset, unit_keys in stretch:
-                for piece, (vi, bi) in zip(unit_pieces, unit_keys):
-                    sums[vi][bi] = _block_sum(piece)
-                _write_unit(fd, unit_pieces, unit_offset)
+    ``borrow``: dense CPU sources are written from their own memory (the caller must not
+    change them before ``finish`` returns). ``threads``: background writer threads.
+    ``staging_bytes``: at most this many bytes of slots at once (default: what the file
+    stages, so the caller never waits for writes); slots come from ``memory``."""
 
-    stretches = [units[i: i + SEGMENT_UNITS] for i in range(0, len(units), SEGMENT_UNITS)]
-    workers = max(1, min(threads, len(stretches)))
-    shares = [stretches[w::workers] for w in range(workers)]
-    if workers == 1:
-        run(shares[0])
-        return sums  # type: ignore[return-value]
-    with ThreadPoolExecutor(workers - 1, thread_name_prefix="shardsafe-write") as pool:
-        run_shares(pool, run, shares)
-    return sums  # type: ignore[return-value]
+    def __init__(self, folder: Folder, plan: FileWrite, source: Source, memory: HostMemory, *, block: int,
+                 borrow: bool, threads: int = 1, pin: bool = False, staging_bytes: int | None = None,
+                 write_while_staging: bool = True, durable: bool = True) -> None:
+        self.plan = plan
+        self.memory = memory
+        self.block = block
+        self.borrow = borrow
+        self.durable = durable
+        self.sources = [resolved(source(c)) for c in plan.chunks]
+        self.cuda = any(s.device.type == "cuda" for s in self.sources)
+        self.pin = pin and self.cuda and torch.cuda.is_available()
+        self.staged_bytes = sum(c.end - c.start for c, s in zip(plan.chunks, self.sources) if not self._borrowable(s))
+        cap = self.staged_bytes if staging_bytes is None else min(staging_bytes, self.staged_bytes)
+        cap = memory.fits(max(cap, min(block, self.staged_bytes), 1))
+        # Slots: at least two when the cap allows (one fills while the other is written),
+        # never smaller than a checksum block (a block is hashed within one slot).
+        self.slot = max(min(SLOT, -(-cap // 2)), min(block, self.staged_bytes), 1)
+        # Without a cap every staged byte may be held at once (slots are not filled to the
+        # last byte: a block never straddles two), the budget permitting.
+        self.slots = threading.BoundedSemaphore(max(1, cap // self.slot) if staging_bytes is not None else 1 << 30)
+        self.sums: list[list[str | None]] = [[None] * max(1, -(-(c.end - c.start) // block)) for c in plan.chunks]
+        self.full: queue.Queue[Stretch | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self.go = threading.Event()
+        if write_while_staging or self.staged_bytes > cap:
+            self.go.set()  # (a state larger than the slots streams through them: write while staging)
+        self.threads: list[threading.Thread] = []
+        # Staged bytes need a writer while the caller stages (slots must drain): at least one thread.
+        self.n_threads = max(threads, 1 if self.staged_bytes else 0)
+        self.handle: WriteHandle = folder.create(plan.name)
+        try:
+            self.handle.write([memoryview(plan.header)], 0)
+        except BaseException:
+            self.handle.abort()
+            raise
+
+    def _borrowable(self, src: torch.Tensor) -> bool:
+        return self.borrow and src.device.type == "cpu" and dense(src)
+
+    def start(self) -> None:
+        """Start the background writer threads."""
+        for i in range(self.n_threads):
+            t = threading.Thread(target=self._drain, name=f"shardsafe-writer-{i}", daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    # -- the caller's side: stretches -------------------------------------------------------
+    def stage(self) -> None:
+        """Produce every stretch in file order (copying into leased slots where needed);
+        returns once all bytes are borrowed or copied. Raises a writer thread's error."""
+        copier = None
+        try:
+            slot: _SlotFill | None = None
+            copy_threads = 1 if self.cuda or self.staged_bytes < PARALLEL_MIN else min(COPY_THREADS,
+                                                                                    os.cpu_count() or 1)
+            if copy_threads > 1:
+                copier = ThreadPoolExecutor(copy_threads - 1, thread_name_prefix="shardsafe-stage")
+            borrowed: list[tuple[int, int, memoryview]] = []
+            at = size = 0
+            for ci, (chunk, src) in enumerate(zip(self.plan.chunks, self.sources)):
+                self._check()
+                if not self._borrowable(src):
+                    if borrowed:
+                        self._submit(Stretch(at, borrowed))
+                        borrowed = []
+                    slot = self._stage_chunk(ci, chunk, src, slot, copier, copy_threads)
+                    continue
+                if slot is not None:
+                    self._submit(slot.close(copier, copy_threads, self.cuda))
+                    slot = None
+                view = memoryview(flat_bytes(src).numpy()) if src.numel() else memoryview(b"")
+                for bi, piece in self._blocks(view):
+                    start = chunk.start + bi * self.block
+                    if borrowed and (at + size != start or size + len(piece) > BORROW_STRETCH
+                                     or len(borrowed) >= IOV_MAX):
+                        self._submit(Stretch(at, borrowed))
+                        borrowed = []
+                    if not borrowed:
+                        at, size = start, 0
+                    borrowed.append((ci, bi, piece))
+                    size += len(piece)
+            if borrowed:
+                self._submit(Stretch(at, borrowed))
+            if slot is not None:
+                self._submit(slot.close(copier, copy_threads, self.cuda))
+            if self.cuda:
+                torch.cuda.current_stream().synchronize()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            if copier is not None:
+                copier.shutdown(wait=True)
+            self.full.put(None)
+            self.go.set()
+
+    def _blocks(self, view: memoryview) -> Iterator[tuple[int, memoryview]]:
+        """The checksum blocks of a chunk's bytes ``view`` (one empty block if empty)."""
+        n = len(view)
+        if n == 0:
+            yield 0, view
+            return
+        for bi in range(-(-n // self.block)):
+            yield bi, view[bi * self.block: (bi + 1) * self.block]
+
+    def _stage_chunk(self, ci: int, chunk: ChunkWrite, src: torch.Tensor, slot: _SlotFill | None,
+                     copier: ThreadPoolExecutor | None, copy_threads: int) -> _SlotFill | None:
+        """Queue copies of chunk ``ci`` into slots, each checksum block wholly in one slot."""
+        n = chunk.end - chunk.start
+        if n == 0:
+            if slot is None:
+                slot = _SlotFill(self._lease(), chunk.start)
+            slot.add_piece(ci, 0, 0)
+            return slot
+        for part_lo, part in self._source_parts(src, self.slot):
+            done = 0
+            m = part.numel()
+            while done < m:
+                lo = part_lo + done  # chunk-relative byte
+                bi = lo // self.block
+                block_lo, block_hi = bi * self.block, min(n, (bi + 1) * self.block)
+                if slot is not None and lo == block_lo and slot.room() < block_hi - block_lo:
+                    self._submit(slot.close(copier, copy_threads, self.cuda))
+                    slot = None
+                if slot is None:
+                    self._check()
+                    slot = _SlotFill(self._lease(), chunk.start + lo)
+                take = min(m - done, block_hi - lo)
+                slot.add_copy(ci, bi, lo == block_lo, part[done: done + take])
+                done += take
+        return slot
+
+    @staticmethod
+    def _source_parts(src: torch.Tensor, limit: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(chunk-relative byte offset, uint8 bytes) of ``src`` in row-major order, each part
+        of at most about ``limit`` bytes when a copy is needed (a dense CPU source is whole)."""
+        if src.device.type == "cpu" and dense(src):
+            yield 0, flat_bytes(src)
+            return
+        if src.dim() == 0 or src.numel() * src.element_size() <= limit:
+            yield 0, flat_bytes(src.contiguous())
+            return
+        row = src[0].numel() * src.element_size()
+        step = max(1, limit // max(row, 1))
+        for r in range(0, src.shape[0], step):
+            yield r * row, flat_bytes(src[r: r + step].contiguous())
+
+    def _lease(self) -> Lease:
+        """A slot: one of this file's slots, then its memory from the budget. When none is
+        free the writers start (if they were held back), so the slots drain."""
+        if not self.slots.acquire(blocking=False):
+            self.go.set()
+            while not self.slots.acquire(timeout=0.5):
+                self._check()
+        try:
+            return self.memory.lease(self.slot, keep=True, pin=self.pin)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def _release(self, lease: Lease) -> None:
+        lease.release()
+        self.slots.release()
+
+    def _submit(self, stretch: Stretch) -> None:
+        if self.cuda and stretch.lease is not None:
+            event = torch.cuda.Event()
+            event.record()
+            stretch.event = event
+        self.full.put(stretch)
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+
+    # -- the writers' side ------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Take stretches until the end marker, hashing and writing each (after an error:
+        only releasing their slots)."""
+        self.go.wait()
+        while True:
+            stretch = self.full.get()
+            if stretch is None:
+                self.full.put(None)  # the other writers stop too
+                return
+            try:
+                if self.error is None:
+                    self._write(stretch)
+            except BaseException as exc:  # noqa: BLE001 - reported by finish()
+                self._fail(exc)
+            finally:
+                if stretch.lease is not None:
+                    self._release(stretch.lease)
+
+    def _write(self, stretch: Stretch) -> None:
+        """Hash each block and write it while it is still in the core's cache (small
+        pieces are written together, up to one block per call)."""
+        if stretch.event is not None:
+            stretch.event.synchronize()  # type: ignore[attr-defined]
+        group: list[memoryview] = []
+        size = 0
+        offset = stretch.offset
+        for ci, bi, piece in stretch.pieces:
+            self.sums[ci][bi] = checksum(piece)
+            n = len(piece)
+            if not n:
+                continue
+            group.append(piece)
+            size += n
+            if size >= self.block:
+                self.handle.write(group, offset)
+                offset += size
+                group, size = [], 0
+        if group:
+            self.handle.write(group, offset)
+
+    def finish(self, help_write: bool = True) -> WrittenFile:
+        """Wait for every stretch to be written (this thread helps with ``help_write``),
+        make the file durable and return its entry; on any error the file is removed and
+        the error raised."""
+        try:
+            if help_write or not self.threads:
+                self._drain()
+            for t in self.threads:
+                t.join()
+            self._check()
+            self.handle.finish(self.durable)
+        except BaseException:
+            self.handle.abort()
+            raise
+        header = self.plan.header
+        entry = FileEntry(self.plan.name, self.plan.size, self.plan.rank, len(header), checksum(header))
+        return WrittenFile(entry, self.sums)  # type: ignore[arg-type]
+
+    def abort(self, error: BaseException | None = None) -> None:
+        """Stop after a failure elsewhere: writers only release their slots, the file is removed."""
+        self._fail(error or RuntimeError("save aborted"))
+        self.go.set()
+        self.full.put(None)
+        for t in self.threads:
+            t.join()
+        while True:
+            try:
+                s = self.full.get_nowait()
+            except queue.Empty:
+                break
+            if s is not None and s.lease is not None:
+                self._release(s.lease)
+        self.handle.abort()
 
 
-def _write_unit(fd: int, pieces: list[memoryview], offset: int) -> None:
-    """pwritev ``pieces`` back to back at ``offset``, finishing short writes piece by piece."""
-    total = sum(len(p) for p in pieces)
-    if total == 0:
-        return
-    written = os.pwritev(fd, pieces, offset)
-    if written < total:
-        for p in pieces:
-            if written >= len(p):
-                written -= len(p)
-            else:
-                write_all(fd, p[written:], offset + written)
-                written = 0
-            offset += len(p)
+class _SlotFill:
+    """A staging slot being filled: the copies into it and the block pieces it holds."""
 
+    def __init__(self, lease: Lease, offset: int) -> None:
+        self.lease = lease
+        self.offset = offset  # file offset of the slot's first byte
+        self.pos = 0
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pieces: list[tuple[int, int, int, int]] = []  # chunk, block, lo, hi in the slot
 
-def _name(it: WriteItem) -> str:
-    from ..format.datafile import chunk_name
+    def room(self) -> int:
+        return self.lease.nbytes - self.pos
 
-    return chunk_name(it.key, it.box.offsets, it.whole)
+    def add_piece(self, ci: int, bi: int, n: int) -> None:
+        self.pieces.append((ci, bi, self.pos, self.pos + n))
+        self.pos += n
+
+    def add_copy(self, ci: int, bi: int, new_block: bool, src: torch.Tensor) -> None:
+        n = src.numel()
+        self.copies.append((self.lease.tensor[self.pos: self.pos + n], src))
+        if not new_block and self.pieces and self.pieces[-1][:2] == (ci, bi):
+            c, b, lo, hi = self.pieces[-1]
+            self.pieces[-1] = (c, b, lo, hi + n)  # a block whose source came in two parts
+            self.pos += n
+        else:
+            self.add_piece(ci, bi, n)
+
+    def close(self, copier: ThreadPoolExecutor | None, threads: int, cuda: bool) -> Stretch:
+        """Run the copies (split over the copier's threads) and turn the slot into a stretch."""
+        if cuda or copier is None:
+            for dst, src in self.copies:
+                dst.copy_(src, non_blocking=cuda)
+        else:
+            run_shares(copier, _copy_all, _copy_parts(self.copies, threads))
+        self.copies.clear()
+        raw = memoryview(self.lease.tensor.numpy())
+        return Stretch(self.offset, [(c, b, raw[lo:hi]) for c, b, lo, hi in self.pieces], self.lease)

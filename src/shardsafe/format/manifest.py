@@ -7,7 +7,10 @@ integrity is protected by a trailing XXH3-64 over the bytes that precede the tra
 from __future__ import annotations
 
 import json
+import re
+import reprlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
@@ -18,6 +21,7 @@ from ..errors import CorruptCheckpointError, FormatVersionError
 from ..gcpause import gc_paused
 from .checksum import ALGORITHM, checksum
 from .chunk_table import Chunk, ChunkTable, table_json
+from .values import MAX_DEPTH
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "shardsafe"
@@ -27,8 +31,22 @@ _TRAILER = b', "manifest_xxh3_64": "'
 
 KINDS = ("replicated", "sharded", "rank_local")
 
+MAX_CHECKSUM_BLOCK = 1 << 26
+"""Largest ``extra.checksum_block`` a reader accepts (64 MiB, the default staging buffer;
+shardsafe writes 1 MiB): a partial read never hashes more than that beyond what it needs,
+and tools may allocate one block."""
+MAX_MEMBER_DEPTH = MAX_DEPTH + 2
+"""Deepest nesting of any top-level member (``rank_local``: object, list, then a value of
+at most MAX_DEPTH levels; the ``tree`` itself is held to MAX_DEPTH)."""
+MAX_FILE_NAME_BYTES = 255
+MAX_CREATED = 1 << 35
+"""``created`` lies in ``[0, 2^35)`` seconds (before the year 3058), so every tool can show it."""
+
 
 _VECTOR_MIN = 64  # below this many chunks a Python loop beats numpy's per-call overhead
+
+
+_new_entry = object.__new__
 
 
 class TensorEntry:
@@ -54,7 +72,8 @@ class TensorEntry:
     def in_table(dtype: str, shape: tuple[int, ...], kind: str, layout: dict[str, Any] | None,
                  table: ChunkTable, lo: int, hi: int) -> TensorEntry:
         """An entry whose chunks are rows ``lo..hi-1`` of ``table``."""
-        entry = TensorEntry(dtype, shape, kind, None, layout)
+        entry = _new_entry(TensorEntry)  # no __init__: parsing builds 100k+ of these
+        entry.dtype, entry.shape, entry.kind, entry.layout = dtype, shape, kind, layout
         entry._chunks, entry._table, entry._lo, entry._hi = None, table, lo, hi
         return entry
 
@@ -130,6 +149,20 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     version: tuple[int, int] = FORMAT_VERSION
 
+    def chunks_in_file(self, index: int) -> list[tuple[str, Chunk]]:
+        """(tensor key, chunk) of every chunk stored in file ``index``. For a parsed
+        manifest the chunk table is searched with one vectorized test and only those
+        chunks are built."""
+        tables = {id(e._table): e._table for e in self.tensors.values() if e._chunks is None and e._table is not None}
+        if len(tables) == 1 and all(e._chunks is None for e in self.tensors.values()):
+            table = next(iter(tables.values()))
+            keys = list(self.tensors)
+            los = np.array([self.tensors[k]._lo for k in keys], dtype=np.int64)
+            rows = np.flatnonzero(table.file == index)
+            owners = np.searchsorted(los, rows, side="right") - 1
+            return [(keys[int(t)], table.chunk(int(r))) for r, t in zip(rows, owners)]
+        return [(k, c) for k, e in self.tensors.items() for c in e.chunks if c.file == index]
+
     def to_bytes(self) -> bytes:
         """Serialize (in the current format version) with the integrity trailer;
         ``from_bytes`` is its inverse."""
@@ -181,11 +214,8 @@ class Manifest:
         stored = data[cut + len(_TRAILER): cut + len(_TRAILER) + 16].decode("ascii", "replace")
         if data[cut + len(_TRAILER) + 16:].rstrip(b"\n") != b'"}' or checksum(head) != stored:
             raise CorruptCheckpointError(f"{where}: manifest checksum mismatch (the file is corrupt)")
-        try:
-            body = json.loads(head + b"}")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CorruptCheckpointError(f"{where}: manifest is not valid JSON: {exc}") from None
-        if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+        body, spans = _parse_json(head + b"}", where)
+        if body.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{where}: not a shardsafe manifest")
         version = body.get("version")
         if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)):
@@ -200,38 +230,286 @@ class Manifest:
         try:
             if not isinstance(body["files"], list):
                 raise CorruptCheckpointError("inconsistent manifest: files is not a list")
-            files = [FileEntry.from_json(f) for f in body["files"]]
+            files = [FileEntry.from_json(f) for f in body["files"]]  # so every file is an object
             world_size = body["world_size"]
             extra = body.get("extra", {})
             problem = _header_problem(world_size, extra, body.get("writer", {}), body.get("rank_local", {}), files)
             if problem:
                 raise CorruptCheckpointError(f"{where}: inconsistent manifest: {problem}")
+            created = body.get("created", 0.0)
+            if not (type(created) in (int, float) and 0 <= created < MAX_CREATED):  # NaN fails too
+                raise CorruptCheckpointError(
+                    f"inconsistent manifest: created {_show(created)} is not a finite number of seconds in "
+                    f"[0, 2^35)")
             if version[0] == 1:
                 tensors_json, chunks_json = _v1_to_v2(body["tensors"])
             else:
                 tensors_json, chunks_json = body["tensors"], body["chunks"]
-            tensors = _parse_tensors(tensors_json, chunks_json, files, extra["checksum_block"], where)
+            tensors, members = _parse_tensors(tensors_json, chunks_json, files, extra["checksum_block"], where)
+            if version[0] == 1 or members != spans.counted["tensors"] or \
+                    sum(map(len, body["files"])) != spans.counted["files"]:
+                # Fewer members parsed than written: a duplicate key, or members of objects
+                # not counted here (a newer minor's); a strict parse tells which.
+                duplicate = _duplicate(head, spans)
+                if duplicate:
+                    raise CorruptCheckpointError(f"manifest is not valid JSON: {duplicate}")
             return Manifest(
                 tree=body["tree"],
                 tensors=tensors,
                 files=files,
                 world_size=world_size,
                 rank_local=body.get("rank_local", {}),
-                created=body.get("created", 0.0),
+                created=created,
                 writer=body.get("writer", {}),
                 extra=extra,
                 version=(version[0], version[1]),
             )
         except CorruptCheckpointError as exc:
-            msg = str(exc)
+            # A duplicate key in tensors or files can break a rule; say so rather than what it broke.
+            duplicate = _duplicate(head, spans)
+            msg = f"manifest is not valid JSON: {duplicate}" if duplicate else str(exc)
             raise CorruptCheckpointError(msg if msg.startswith(where) else f"{where}: {msg}") from None
         except (KeyError, TypeError, IndexError, AttributeError, ValueError, OverflowError, MemoryError) as exc:
-            raise CorruptCheckpointError(f"{where}: a manifest field is missing or mistyped: {exc!r}") from None
+            duplicate = _duplicate(head, spans)
+            msg = f"manifest is not valid JSON: {duplicate}" if duplicate else \
+                f"a manifest field is missing or mistyped: {exc!r}"
+            raise CorruptCheckpointError(f"{where}: {msg}") from None
+
+
+# ----------------------------------------------------------------------------- strict JSON
+#
+# The manifest is ordinary JSON, read strictly: no duplicate object keys (json.loads keeps
+# the last one silently, another reader might keep the first), no NaN/Infinity (Python
+# accepts them), no string with a lone surrogate (it cannot be encoded again, as a file
+# name or a safetensors header), and no member nested deeper than MAX_MEMBER_DEPTH. The
+# top level and the chunk table are read member by member; most values go through a
+# decoder whose hook refuses duplicate keys. ``tensors`` (100k+ small objects in a big
+# checkpoint) and ``files`` go through the plain (hook-free, faster) decoder instead: the
+# members in their raw text are counted (every ':' outside strings starts one) and compared
+# with the members parsed, and only a difference costs a strict re-parse. The chunk
+# table's columns are flat lists and a string, validated as such, and are not scanned.
+
+
+class _Refused(ValueError):
+    """JSON the manifest may not hold (a duplicate key, NaN or Infinity, too deep)."""
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Refused(f"duplicate key {_show(key)}")
+            seen.add(key)
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    raise _Refused(f"{name} is not a JSON number")
+
+
+_Decode = Callable[[str, int], tuple[Any, int]]
+_STRICT: _Decode = json.JSONDecoder(object_pairs_hook=_unique, parse_constant=_no_constant).raw_decode
+_PLAIN: _Decode = json.JSONDecoder(parse_constant=_no_constant).raw_decode
+_WS = re.compile(r"[ \t\n\r]*")
+_COLUMNS = ("o", "n", "f", "b", "x")
+# A \u escape of a high surrogate with or without the low one that must follow, or a low alone.
+_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?|\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_SKELETON = bytes(c for c in range(256) if c not in b'"[]{}:')  # translate() deletes all other bytes
+
+
+_COUNTED = ("tensors", "files")  # top-level members parsed without the hook; their members are counted
+
+
+@dataclass
+class _Spans:
+    """Where each top-level member's value lies in the manifest text, and how many object
+    members the raw text of each _COUNTED member holds."""
+
+    of: dict[str, tuple[int, int]] = field(default_factory=dict)
+    counted: dict[str, int] = field(default_factory=dict)
+
+
+def _parse_json(data: bytes, where: str) -> tuple[dict[str, Any], _Spans]:
+    """The manifest object and the spans of its members; anything that is not strict JSON
+    (see above) raises CorruptCheckpointError naming what and where."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpointError(f"{where}: manifest is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    spans = _Spans()
+    try:
+        pos = _WS.match(text).end()
+        if not text.startswith("{", pos):
+            raise json.JSONDecodeError("Expecting a JSON object", text, pos)
+        body, spans.of, pos = _object(text, pos, lambda key: _body_decoder(key, spans))
+        if _WS.match(text, pos).end() != len(text):
+            raise json.JSONDecodeError("Extra data", text, pos)
+    except ValueError as exc:  # JSONDecodeError and _Refused
+        raise CorruptCheckpointError(f"{where}: manifest is not valid JSON: {exc}") from None
+    return body, spans
+
+
+def _body_decoder(key: str, spans: _Spans) -> _Decode:
+    """How to parse the top-level member ``key`` (and check its raw text)."""
+    if key == "chunks":
+        return _chunk_table
+    if key in _COUNTED:
+        def counted(text: str, pos: int) -> tuple[Any, int]:
+            value, end = _PLAIN(text, pos)
+            spans.counted[key] = _checked(text, pos, end, MAX_MEMBER_DEPTH)
+            return value, end
+        return counted
+    limit = MAX_DEPTH if key == "tree" else MAX_MEMBER_DEPTH
+    return lambda text, pos: _strict(text, pos, limit)
+
+
+def _strict(text: str, pos: int, limit: int) -> tuple[Any, int]:
+    value, end = _STRICT(text, pos)
+    if isinstance(value, (dict, list, str)):
+        _checked(text, pos, end, limit)
+    return value, end
+
+
+def _chunk_table(text: str, pos: int) -> tuple[Any, int]:
+    """The chunk table: an object whose columns are read without a hook or a scan."""
+    if not text.startswith("{", pos):
+        return _strict(text, pos, MAX_MEMBER_DEPTH)
+    table, _, end = _object(text, pos, lambda key: _PLAIN if key in _COLUMNS else
+                            (lambda text, pos: _strict(text, pos, MAX_MEMBER_DEPTH - 1)))
+    return table, end
+
+
+def _object(text: str, pos: int, decoder: Callable[[str], _Decode]) -> tuple[dict[str, Any], dict[str, tuple[int, int]],
+                                                                              int]:
+    """The JSON object at ``text[pos]``, read member by member (each value by
+    ``decoder(name)``), the span of each value, and where the object ends."""
+    obj: dict[str, Any] = {}
+    spans: dict[str, tuple[int, int]] = {}
+    pos = _WS.match(text, pos + 1).end()
+    if text.startswith("}", pos):
+        return obj, spans, pos + 1
+    while True:
+        if not text.startswith('"', pos):
+            raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, pos)
+        key, pos = _PLAIN(text, pos)
+        if key in obj:
+            raise _Refused(f"duplicate key {_show(key)}")
+        if not (key.isascii() or _encodable(key)):
+            raise _Refused(f"key {_show(key)} holds a lone surrogate")
+        pos = _WS.match(text, pos).end()
+        if not text.startswith(":", pos):
+            raise json.JSONDecodeError("Expecting ':' delimiter", text, pos)
+        start = _WS.match(text, pos + 1).end()
+        try:
+            obj[key], pos = decoder(key)(text, start)
+        except _Refused as exc:
+            raise _Refused(f"{exc} in '{key}'") from None
+        except RecursionError:
+            if _nesting(text[start:].encode("utf-8"))[0] <= MAX_MEMBER_DEPTH:
+                raise  # not the manifest: the caller's stack is nearly exhausted
+            raise _Refused(f"'{key}' nests deeper than {MAX_MEMBER_DEPTH} arrays/objects") from None
+        spans[key] = (start, pos)
+        pos = _WS.match(text, pos).end()
+        if text.startswith(",", pos):
+            pos = _WS.match(text, pos + 1).end()
+        elif text.startswith("}", pos):
+            return obj, spans, pos + 1
+        else:
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
+
+
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _checked(text: str, start: int, end: int, limit: int) -> int:
+    """Check the raw JSON value ``text[start:end]``: it nests at most ``limit``
+    arrays/objects and no string in it has a lone surrogate; returns its object members."""
+    raw = text[start:end]
+    if "\\" in raw:
+        for m in _SURROGATE.finditer(raw.replace("\\\\", "\0\0")):
+            if m.group(1) is None:  # a high surrogate without its low one, or a low one alone
+                raise _Refused(f"a string holds a lone surrogate ({m.group(0)[:6]})")
+    depth, members = _nesting(raw.encode("utf-8"))
+    if depth > limit:
+        raise _Refused(f"nests {depth} arrays/objects deep (at most {limit})")
+    return members
+
+
+def _nesting(raw: bytes) -> tuple[int, int]:
+    """(deepest nesting of arrays/objects, number of object members) of the JSON text
+    ``raw``, counting only the brackets and ':' outside strings (of a prefix of valid JSON,
+    a lower bound of both)."""
+    if b"\\" in raw:  # drop escaped backslashes, then escaped quotes: every '"' left delimits a string
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    # Keep only quotes, brackets and ':'; then drop adjacent quotes (strings with none of
+    # those inside, or the end of one and the start of the next: either way no character
+    # changes sides), which usually leaves no string at all.
+    skeleton = raw.translate(None, _SKELETON).replace(b'""', b"")
+    if b'"' in skeleton:  # some string holds a bracket or ':': keep what an even number of quotes precede
+        chars = np.frombuffer(skeleton, dtype=np.uint8)
+        quote = chars == ord('"')
+        chars = chars[(np.cumsum(quote, dtype=np.uint8) & 1 | quote) == 0]  # the sum wraps, its parity holds
+        skeleton = chars.tobytes()
+    members = skeleton.count(b":")
+    brackets = np.frombuffer(skeleton.translate(None, b":"), dtype=np.int8)
+    step = (brackets & 2) - 1  # '[' 0x5B and '{' 0x7B: +1; ']' 0x5D and '}' 0x7D: -1
+    return int(np.cumsum(step, dtype=np.int64).max(initial=0)), members
+
+
+def _duplicate(head: bytes, spans: _Spans) -> str | None:
+    """A duplicate key in a _COUNTED member, found by a strict re-parse, or None. (The
+    text is decoded again from ``head``, the manifest before its trailer: keeping it
+    meanwhile would cost more than decoding it in this rare case.)"""
+    text = (head + b"}").decode("utf-8")
+    for key in spans.counted:
+        try:
+            _STRICT(text, spans.of[key][0])
+        except _Refused as exc:
+            return f"{exc} in '{key}'"
+    return None
 
 
 def _count(v: Any) -> bool:
     """A non-negative JSON integer (not a bool)."""
     return type(v) is int and v >= 0
+
+
+def _show(v: Any) -> str:
+    """A short repr for error messages (hostile values may be huge)."""
+    try:
+        return reprlib.repr(v)
+    except ValueError:  # an int too long for str()
+        return f"<{type(v).__name__}>"
+
+
+# Characters a data file name may not hold: path separators, C0/C1 controls, lone surrogates.
+_NOT_IN_NAME = re.compile(r"[/\\\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _file_names_problem(names: list[Any]) -> str | None:
+    """What makes a data file name other than a plain, unique one (docs/format.md,
+    "files"), or None; all names are checked at once, one by one only to say which."""
+    if (set(map(type, names)) <= {str} and not _NOT_IN_NAME.search("".join(names))
+            and not {"", ".", ".."} & set(names) and len(set(names)) == len(names)
+            and max(map(len, names), default=0) * 4 <= MAX_FILE_NAME_BYTES):  # at most 4 bytes a character
+        return None
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if not (isinstance(name, str) and name not in ("", ".", "..") and not _NOT_IN_NAME.search(name)
+                and len(name.encode("utf-8")) <= MAX_FILE_NAME_BYTES):
+            return (f"file {i}: name {_show(name)} is not a plain file name (no path separators, control "
+                    f"characters or lone surrogates, at most {MAX_FILE_NAME_BYTES} bytes)")
+        if name in seen:
+            return f"file {i}: name {name!r} is listed twice"
+        seen.add(name)
+    return None
 
 
 def _header_problem(world_size: Any, extra: Any, writer: Any, rank_local: Any, files: list[FileEntry]) -> str | None:
@@ -241,11 +519,13 @@ def _header_problem(world_size: Any, extra: Any, writer: Any, rank_local: Any, f
     for name, part in (("extra", extra), ("writer", writer), ("rank_local", rank_local)):
         if not isinstance(part, dict):
             return f"{name} is not an object"
-    if not (_count(extra.get("checksum_block")) and 0 < extra["checksum_block"] < _LIMIT):
-        return f"extra.checksum_block {extra.get('checksum_block')!r} is not a positive integer"
-    for i, f in enumerate(files):
-        if not (isinstance(f.name, str) and f.name not in ("", ".", "..") and not any(c in f.name for c in "/\\\0")):
-            return f"file {i}: name {f.name!r} is not a plain file name"
+    block = extra.get("checksum_block")
+    if not (_count(block) and 1 <= block <= MAX_CHECKSUM_BLOCK):
+        return f"extra.checksum_block {_show(block)} is not an integer from 1 to {MAX_CHECKSUM_BLOCK} (64 MiB)"
+    problem = _file_names_problem([f.name for f in files])
+    if problem:
+        return problem
+    for f in files:
         if not (_count(f.nbytes) and _count(f.rank) and _count(f.header_bytes)
                 and 8 <= f.header_bytes <= f.nbytes < _LIMIT):
             return f"file {f.name!r}: bad sizes (bytes {f.nbytes!r}, header_bytes {f.header_bytes!r})"
@@ -258,42 +538,54 @@ _LIMIT = 1 << 62  # bound on sizes in bytes, so that int64 arithmetic cannot ove
 
 
 def _parse_tensors(tensors_json: Any, chunks_json: Any, files: list[FileEntry], block: int,
-                   where: str) -> dict[str, TensorEntry]:
-    """Tensor entries over a validated chunk table (the rules are in docs/format.md)."""
+                   where: str) -> tuple[dict[str, TensorEntry], int]:
+    """Tensor entries over a validated chunk table (the rules are in docs/format.md), and
+    the number of object members in ``tensors_json`` (its own, its entries', their
+    layouts'): fewer than its raw text holds means a duplicate key (see _parse_json)."""
     from .dtypes import itemsize, torch_dtype
 
     if not isinstance(tensors_json, dict):
         raise CorruptCheckpointError("inconsistent manifest: tensors is not an object")
-    keys: list[str] = []
+    keys = list(tensors_json)
     shapes: list[tuple[int, ...]] = []
     sizes: list[int] = []
     firsts = [0]
     heads: list[tuple[str, tuple[int, ...], str, Any]] = []
+    members = len(tensors_json)
+    known: dict[tuple[Any, tuple[Any, ...]], int] = {}  # (dtype, shape) -> itemsize, once validated
+    dims: list[Any] = []
+    first = 0
     for key, t in tensors_json.items():
-        if not isinstance(t, dict):
+        if type(t) is not dict:
             raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}' is not an object")
+        members += len(t)
         dtype, shape, kind, layout, span = t["dtype"], t["shape"], t.get("kind", "replicated"), t.get("layout"), \
             t["chunks"]
-        if kind not in KINDS or not isinstance(layout, (dict, type(None))):
+        if kind not in KINDS or not (layout is None or type(layout) is dict):
             raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad kind or layout")
-        if not (isinstance(dtype, str) and isinstance(shape, list) and all(_count(s) and s < _LIMIT for s in shape)):
-            raise CorruptCheckpointError(
-                f"inconsistent manifest: tensor '{key}': bad dtype {dtype!r} or shape {shape!r}")
-        if not (isinstance(span, list) and len(span) == 2 and all(_count(v) and v < _LIMIT for v in span)
-                and span[0] == firsts[-1] and span[1] >= 1):
+        if layout is not None:
+            members += _object_members(layout)
+        shape_t = tuple(shape) if type(shape) is list else ()
+        try:
+            size = known.get((dtype, shape_t)) if type(shape) is list else None
+        except TypeError:  # unhashable: not a str dtype or int dims, refused just below
+            size = None
+        if size is None:  # the first entry of its dtype and shape: validate them
+            size = known[(dtype, shape_t)] = _head_itemsize(key, dtype, shape, torch_dtype, itemsize)
+        dims.extend(shape)  # a hit is equal to a validated shape: only the dims' types are left to check
+        if not (type(span) is list and len(span) == 2 and type(span[0]) is int and type(span[1]) is int
+                and span[0] == first and first < _LIMIT and 1 <= span[1] < _LIMIT):
             raise CorruptCheckpointError(
                 f"inconsistent manifest: tensor '{key}': chunk range {span!r} is not [first, count] with first "
-                f"{firsts[-1]} (where the previous tensor's chunks end) and count >= 1")
-        dt = torch_dtype(dtype)
-        size = itemsize(dt) if dt is not None else 0
-        shape_t = tuple(shape)
-        if prod(shape_t) * max(size, 1) >= _LIMIT:
-            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': shape {shape!r} is too large")
-        keys.append(key)
+                f"{first} (where the previous tensor's chunks end) and count >= 1")
+        first += span[1]
         shapes.append(shape_t)
         sizes.append(size)
-        firsts.append(span[0] + span[1])
+        firsts.append(first)
         heads.append((dtype, shape_t, kind, layout))
+    if not set(map(type, dims)) <= {int}:  # 1.0 and True equal 1: find the entry that holds one
+        key, t = next((k, t) for k, t in tensors_json.items() if any(type(d) is not int for d in t["shape"]))
+        _head_itemsize(key, t["dtype"], t["shape"], torch_dtype, itemsize)
     rows = chunks_json.get("f") if isinstance(chunks_json, dict) else None
     if not (isinstance(rows, list) and len(rows) == firsts[-1]):
         # Checked before anything is sized by the tensors' counts (a tiny manifest must
@@ -313,8 +605,36 @@ def _parse_tensors(tensors_json: Any, chunks_json: Any, files: list[FileEntry], 
         t = int(np.searchsorted(first_arr, c, side="right")) - 1
         t = min(max(t, 0), len(keys) - 1)
         raise CorruptCheckpointError(f"inconsistent manifest: tensor '{keys[t]}', chunk {c - firsts[t]}: {what}")
-    return {key: TensorEntry.in_table(*head, table, firsts[i], firsts[i + 1])
-            for i, (key, head) in enumerate(zip(keys, heads))}
+    in_table = TensorEntry.in_table
+    return {key: in_table(*head, table, lo, hi) for key, head, lo, hi in zip(keys, heads, firsts, firsts[1:])}, \
+        members
+
+
+def _head_itemsize(key: str, dtype: Any, shape: Any, torch_dtype: Callable[[str], Any],
+                   itemsize: Callable[[Any], int]) -> int:
+    """The itemsize of a tensor entry's dtype (0 when unknown) once its dtype and shape are
+    valid (a str; non-negative int dims with a total size below 2^62)."""
+    if not (isinstance(dtype, str) and isinstance(shape, list) and all(_count(s) and s < _LIMIT for s in shape)):
+        raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad dtype {dtype!r} or shape {shape!r}")
+    dt = torch_dtype(dtype)
+    size = itemsize(dt) if dt is not None else 0
+    if prod(shape) * max(size, 1) >= _LIMIT:
+        raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': shape {shape!r} is too large")
+    return size
+
+
+def _object_members(value: Any) -> int:
+    """Members of all JSON objects in ``value`` (without recursion)."""
+    count = 0
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if type(v) is dict:
+            count += len(v)
+            stack.extend(v.values())
+        elif type(v) is list:
+            stack.extend(v)
+    return count
 
 
 def _v1_to_v2(tensors: Any) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -13,6 +13,11 @@ Encoding (documented in docs/format.md):
   any other dict (int keys, "$" keys)         -> {"$dict": [[key, value], ...]}
   tensor placeholder         -> {"$tensor": "<key>"}
   rank-local placeholder     -> {"$rank_local": "<key>"}
+
+Limits (docs/format.md, "Limits"): a value nests at most MAX_DEPTH JSON arrays/objects,
+an int has at most MAX_INT_DIGITS decimal digits, and strings are valid Unicode (no lone
+surrogates). Encoding refuses values beyond them, so that everything saved can be read;
+decoding refuses them as corrupt, before any work that grows faster than linearly.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import base64
 import math
 import re
+import reprlib
 from collections.abc import Callable
 from typing import Any
 
@@ -27,11 +33,27 @@ from ..errors import CorruptCheckpointError, UnsupportedValueError
 
 _SAFE_INT = 1 << 53
 TAGS = ("$int", "$float", "$bytes", "$tuple", "$dict", "$tensor", "$rank_local")
+
+MAX_DEPTH = 200
+"""Deepest nesting of JSON arrays/objects in one typed-JSON value (the tree, a rank-local
+value), counted in its JSON form: a list or str-keyed dict is one level, a tuple two
+(``{"$tuple": [...]}``), any other dict three (``{"$dict": [[k, v], ...]}``), a tagged
+scalar or placeholder one. Recursive code (json itself, :func:`decode`, matching) then
+needs at most a few hundred of Python's 1000 frames, and real states (under 20 levels)
+stay far below."""
+
+MAX_INT_DIGITS = 20_000
+"""Most decimal digits of a ``{"$int": ...}`` (about 66,000 bits): far beyond any counter,
+seed or RNG state, and small enough that converting one takes about a millisecond, so a
+manifest full of them decodes in time linear in its size."""
+
 # Python refuses int <-> decimal str conversions of more than 4300 digits by default
 # (sys.set_int_max_str_digits, at least 640); big ints are converted in pieces below that.
 _DIGITS = 512
 _DIGITS_BASE = 10**_DIGITS
+_INT_BOUND = 10**MAX_INT_DIGITS
 _DECIMAL = re.compile(r"-?[0-9]+", re.ASCII)
+_POW10: dict[int, int] = {}
 
 
 def _int_to_decimal(value: int) -> str:
@@ -48,15 +70,30 @@ def _int_to_decimal(value: int) -> str:
 
 
 def _decimal_to_int(text: Any) -> int:
-    """The int written by :func:`_int_to_decimal` (strictly ``-?[0-9]+``, any length)."""
-    if not isinstance(text, str) or not _DECIMAL.fullmatch(text):
+    """The int written by :func:`_int_to_decimal` (strictly ``-?[0-9]+``, at most
+    MAX_INT_DIGITS digits), converted by halves in about a millisecond at the limit."""
+    if not isinstance(text, str):
         raise ValueError("not a decimal integer string")
-    digits = text.lstrip("-")
-    value = 0
-    for i in range(0, len(digits), _DIGITS):
-        piece = digits[i: i + _DIGITS]
-        value = value * 10 ** len(piece) + int(piece)
+    if len(text) > MAX_INT_DIGITS + 1 or len(text.lstrip("-")) > MAX_INT_DIGITS:  # before any other work
+        raise ValueError(f"more than {MAX_INT_DIGITS} digits ({len(text)} characters)")
+    if not _DECIMAL.fullmatch(text):
+        raise ValueError("not a decimal integer string")
+    value = _digits_to_int(text.lstrip("-"))
     return -value if text.startswith("-") else value
+
+
+def _digits_to_int(digits: str) -> int:
+    """``int(digits)`` without Python's digit limit: split in two at a power-of-two number
+    of low digits, so the work is a few big multiplications instead of one per piece."""
+    if len(digits) <= _DIGITS:
+        return int(digits)
+    low = _DIGITS
+    while 2 * low < len(digits):
+        low *= 2
+    scale = _POW10.get(low)
+    if scale is None:
+        scale = _POW10[low] = 10**low
+    return _digits_to_int(digits[:-low]) * scale + _digits_to_int(digits[-low:])
 
 
 def _subclass_error(value: Any, path: str, base: str) -> UnsupportedValueError:
@@ -67,17 +104,26 @@ def _subclass_error(value: Any, path: str, base: str) -> UnsupportedValueError:
 
 
 def encode_scalar(value: Any, path: str) -> Any:
-    """Encode a non-container leaf; raises UnsupportedValueError naming ``path``."""
+    """Encode a non-container leaf; raises UnsupportedValueError naming ``path`` for values
+    the format cannot hold (see the module's limits)."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
         if type(value) is not str:  # StrEnum and friends would not come back as themselves
             raise _subclass_error(value, path, "str")
+        if not (value.isascii() or _utf8_encodable(value)):
+            raise UnsupportedValueError(
+                f"cannot save value at '{path}': the string holds a lone surrogate (not valid Unicode)")
         return value
     if isinstance(value, int):
         if type(value) is not int:  # IntEnum and friends would not come back as themselves
             raise _subclass_error(value, path, "int")
-        return value if -_SAFE_INT < value < _SAFE_INT else {"$int": _int_to_decimal(value)}
+        if -_SAFE_INT < value < _SAFE_INT:
+            return value
+        if not -_INT_BOUND < value < _INT_BOUND:
+            raise UnsupportedValueError(
+                f"cannot save value at '{path}': int with more than {MAX_INT_DIGITS} decimal digits")
+        return {"$int": _int_to_decimal(value)}
     if isinstance(value, float):
         if type(value) is not float:
             raise _subclass_error(value, path, "float")
@@ -104,28 +150,65 @@ def encode_dict_key(key: Any, path: str) -> Any:
     return encode_scalar(key, path)
 
 
+def _utf8_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def nesting_depth(obj: Any) -> int:
+    """How many JSON arrays/objects nest in ``obj`` (a JSON value: dicts, lists, scalars),
+    found without recursion: 0 for a scalar, 1 for ``[]`` or ``{"a": 1}``."""
+    depth = 0
+    level = [obj]
+    while level:
+        inner = [v for v in level if isinstance(v, (dict, list))]
+        if not inner:
+            break
+        depth += 1
+        level = [c for v in inner for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
 def decode(obj: Any, on_ref: Callable[[str, str], Any] | None = None) -> Any:
-    """Decode typed JSON back into Python values.
+    """Decode typed JSON back into Python values; anything malformed, nested deeper than
+    MAX_DEPTH or beyond a limit raises CorruptCheckpointError (never RecursionError).
 
     ``on_ref(tag, key)`` resolves ``$tensor`` / ``$rank_local`` placeholders; without it
     a placeholder is an error."""
+    return _decode(obj, on_ref, 0)
+
+
+def _level(depth: int) -> int:
+    """The nesting level of a container inside one at ``depth``; raises past MAX_DEPTH."""
+    if depth >= MAX_DEPTH:
+        raise CorruptCheckpointError(f"manifest: a value nests deeper than {MAX_DEPTH} JSON arrays/objects")
+    return depth + 1
+
+
+def _decode(obj: Any, on_ref: Callable[[str, str], Any] | None, depth: int) -> Any:
     if obj is None or isinstance(obj, (bool, str, int, float)):
         return obj
     if isinstance(obj, list):
-        return [decode(v, on_ref) for v in obj]
+        depth = _level(depth)
+        return [_decode(v, on_ref, depth) for v in obj]
     if isinstance(obj, dict):
+        depth = _level(depth)
         if len(obj) == 1:
             ((tag, payload),) = obj.items()
             if tag.startswith("$"):
-                return _decode_tagged(tag, payload, on_ref)
+                return _decode_tagged(tag, payload, on_ref, depth)
         for k in obj:
             if k.startswith("$"):
                 raise CorruptCheckpointError(f"manifest: object key {k!r} may not start with '$'")
-        return {k: decode(v, on_ref) for k, v in obj.items()}
+        return {k: _decode(v, on_ref, depth) for k, v in obj.items()}
     raise CorruptCheckpointError(f"manifest: unexpected JSON value of type {type(obj).__name__}")
 
 
-def _decode_tagged(tag: str, payload: Any, on_ref: Callable[[str, str], Any] | None) -> Any:
+def _decode_tagged(tag: str, payload: Any, on_ref: Callable[[str, str], Any] | None, depth: int) -> Any:
+    """A tag object at nesting level ``depth``; its payload array (if any) is one deeper."""
     try:
         if tag == "$int":
             return _decimal_to_int(payload)
@@ -140,26 +223,36 @@ def _decode_tagged(tag: str, payload: Any, on_ref: Callable[[str, str], Any] | N
         if tag == "$tuple":
             if not isinstance(payload, list):
                 raise TypeError("payload is not a list")
-            return tuple(decode(v, on_ref) for v in payload)
+            inner = _level(depth)
+            return tuple([_decode(v, on_ref, inner) for v in payload])
         if tag == "$dict":
             if not isinstance(payload, list):
                 raise TypeError("payload is not a list")
+            inner = _level(_level(depth))  # the list of pairs, then each pair
             out = {}
             for pair in payload:
                 if not (isinstance(pair, list) and len(pair) == 2):
-                    raise ValueError(f"entry {pair!r} is not a [key, value] pair")
+                    raise ValueError(f"entry {_short(pair)} is not a [key, value] pair")
                 key = _decode_dict_key(pair[0])
                 if key in out:
-                    raise ValueError(f"duplicate key {key!r}")
-                out[key] = decode(pair[1], on_ref)
+                    raise ValueError(f"duplicate key {_short(key)}")
+                out[key] = _decode(pair[1], on_ref, inner)
             return out
     except (ValueError, TypeError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"manifest: bad {tag} value {payload!r}: {exc}") from None
+        raise CorruptCheckpointError(f"manifest: bad {tag} value {_short(payload)}: {exc}") from None
     if tag in ("$tensor", "$rank_local"):
         if on_ref is None or not isinstance(payload, str):
-            raise CorruptCheckpointError(f"manifest: unexpected {tag} reference {payload!r}")
+            raise CorruptCheckpointError(f"manifest: unexpected {tag} reference {_short(payload)}")
         return on_ref(tag, payload)
-    raise CorruptCheckpointError(f"manifest: unknown tag {tag!r}")
+    raise CorruptCheckpointError(f"manifest: unknown tag {_short(tag)}")
+
+
+def _short(value: Any) -> str:
+    """A bounded repr for error messages (a hostile payload may be huge or deeply nested)."""
+    try:
+        return reprlib.repr(value)
+    except ValueError:  # an int too long for str()
+        return f"<{type(value).__name__}>"
 
 
 def _decode_dict_key(key: Any) -> str | int:

@@ -1,37 +1,51 @@
-"""Load planning: for every destination box, the byte runs it needs from saved chunks.
+"""Load planning, as plain data: for every destination box, the byte runs it needs from
+saved chunks, and the checksum blocks those runs touch.
 
 Each op reads exactly the bytes of one (destination box ∩ saved chunk) intersection.
 When that intersection is one contiguous run of the destination's memory the bytes land
 there directly; otherwise they go through a staging buffer of at most ``max_buffer``
-bytes (ops larger than that are cut into slabs), never through a full tensor.
+bytes (ops larger than that are cut into slabs), never through a full tensor. Ops name
+their destination by index; the executor resolves the tensors when it runs them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
-from ..errors import CorruptCheckpointError, MissingKeysError
+from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize, torch_dtype
 from ..format.manifest import Chunk, Manifest
 from ..layout import Box, boxes_disjoint, byte_runs, intersect
-from ..state.match import Fill
 
 DEFAULT_MAX_BUFFER = 64 << 20
 
 
-@dataclass
-class ReadOp:
-    """Read part ``box`` (global coordinates) of ``fill`` from ``chunk``.
+class Dest(NamedTuple):
+    """A destination as planning sees it: tensor ``key``'s global box ``box``, and whether
+    its memory is a dense CPU tensor that bytes can land in directly."""
+
+    key: str
+    box: Box
+    direct: bool
+
+
+class ReadOp(NamedTuple):
+    """Read part ``box`` (global coordinates) of destination ``dest`` from ``chunk``.
 
     ``runs`` are absolute (offset, length) byte ranges in the chunk's file whose
     concatenation is ``box`` in row-major order. ``dest_range`` is the byte range of the
     destination's memory they fill directly, or None when they must be staged."""
 
-    fill: Fill
+    dest: int
+    key: str
     chunk: Chunk
     box: Box
-    runs: list[tuple[int, int]]
+    runs: tuple[tuple[int, int], ...]
     dest_range: tuple[int, int] | None
+
+    @property
+    def file(self) -> int:
+        return self.chunk.file
 
     @property
     def nbytes(self) -> int:
@@ -39,18 +53,17 @@ class ReadOp:
 
     @property
     def whole_chunk(self) -> bool:
-        return self.box == Box(self.chunk.offsets, self.chunk.lengths)
+        return self.box.offsets == self.chunk.offsets and self.box.lengths == self.chunk.lengths
 
 
-def _dest_range(fill: Fill, box: Box, size: int) -> tuple[int, int] | None:
-    t = fill.tensor
-    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
-        return None  # lazy conj/neg views take their values through copy_()
-    runs = list(byte_runs(box, fill.box, size))
-    if len(runs) != 1:
-        return None
-    start, n = runs[0]
-    return start, start + n
+class BlockCheck(NamedTuple):
+    """One checksum block to verify: bytes [lo, hi) of file ``file`` must hash to ``expected``."""
+
+    file: int
+    lo: int
+    hi: int
+    expected: str
+    key: str
 
 
 def slabs(box: Box, size: int, max_bytes: int) -> list[Box]:
@@ -72,47 +85,96 @@ def slabs(box: Box, size: int, max_bytes: int) -> list[Box]:
     return [box]
 
 
-def plan_reads(manifest: Manifest, fills: list[Fill], max_buffer: int = DEFAULT_MAX_BUFFER) -> list[ReadOp]:
-    """Read ops covering every fill exactly; raises if the saved chunks leave a hole."""
+def _dest_range(dest: Dest, box: Box, size: int) -> tuple[int, int] | None:
+    if not dest.direct:
+        return None
+    runs = list(byte_runs(box, dest.box, size))
+    if len(runs) != 1:
+        return None
+    start, n = runs[0]
+    return start, start + n
+
+
+def plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int = DEFAULT_MAX_BUFFER) -> list[ReadOp]:
+    """Read ops covering every destination exactly; a hole or an overlap in the saved
+    chunks is a CorruptCheckpointError naming the tensor."""
     ops: list[ReadOp] = []
-    for fill in fills:
-        entry = manifest.tensors[fill.key]
+    for index, dest in enumerate(dests):
+        entry = manifest.tensors[dest.key]
         dtype = torch_dtype(entry.dtype)
         if dtype is None:
-            raise CorruptCheckpointError(f"tensor '{fill.key}': unknown dtype {entry.dtype!r}")
+            raise CorruptCheckpointError(f"tensor '{dest.key}': unknown dtype {entry.dtype!r}")
         size = itemsize(dtype)
         covered = 0
         parts: list[Box] = []
-        if not fill.box.is_empty():
-            meeting = entry.chunks_meeting(fill.box.offsets, fill.box.lengths)
-            if len(meeting) == 1 and fill.box.offsets == meeting[0].offsets and \
-                    fill.box.lengths == meeting[0].lengths:
+        if not dest.box.is_empty():
+            meeting = entry.chunks_meeting(dest.box.offsets, dest.box.lengths)
+            if len(meeting) == 1 and dest.box.offsets == meeting[0].offsets and \
+                    dest.box.lengths == meeting[0].lengths:
                 # The common case: one chunk that is exactly the destination box.
                 chunk = meeting[0]
-                t = fill.tensor
-                direct = t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
                 n = chunk.end - chunk.start
-                ops.append(ReadOp(fill, chunk, fill.box, [(chunk.start, n)], (0, n) if direct else None))
-                if direct or n <= max_buffer:
+                if dest.direct or n <= max_buffer:
+                    ops.append(ReadOp(index, dest.key, chunk, dest.box, ((chunk.start, n),),
+                                      (0, n) if dest.direct else None))
                     continue
-                ops.pop()  # too large to stage at once: fall through to slabs
             for chunk in meeting:
                 cbox = Box(chunk.offsets, chunk.lengths)
-                part = intersect(fill.box, cbox)
+                part = intersect(dest.box, cbox)
                 if part is None:
                     continue
                 covered += part.numel
                 parts.append(part)
-                direct = _dest_range(fill, part, size)
+                direct = _dest_range(dest, part, size)
                 pieces = [part] if direct is not None else slabs(part, size, max_buffer)
                 for piece in pieces:
-                    runs = [(chunk.start + s, n) for s, n in byte_runs(piece, cbox, size)]
-                    dest = direct if direct is not None else None
-                    ops.append(ReadOp(fill, chunk, piece, runs, dest))
+                    runs = tuple((chunk.start + s, n) for s, n in byte_runs(piece, cbox, size))
+                    ops.append(ReadOp(index, dest.key, chunk, piece, runs, direct))
         if len(parts) > 1 and not boxes_disjoint(parts):
-            raise CorruptCheckpointError(f"tensor '{fill.key}': saved chunks overlap (the manifest is corrupt)")
-        if covered != fill.box.numel:
-            raise MissingKeysError(
-                f"tensor '{fill.key}': saved chunks cover {covered} of the {fill.box.numel} elements needed"
+            raise CorruptCheckpointError(f"tensor '{dest.key}': saved chunks overlap (the manifest is corrupt)")
+        if covered != dest.box.numel:
+            raise CorruptCheckpointError(
+                f"tensor '{dest.key}': saved chunks cover {covered} of the {dest.box.numel} elements needed "
+                "(the manifest is corrupt)"
             )
     return ops
+
+
+def needed_blocks(op: ReadOp, block: int) -> list[int]:
+    """Indices of the checksum blocks of ``op.chunk`` that ``op``'s runs touch."""
+    start = op.chunk.start
+    out: set[int] = set()
+    for s, n in op.runs:
+        if n == 0:
+            continue
+        out.update(range((s - start) // block, (s - start + n - 1) // block + 1))
+    if not out and op.chunk.end == op.chunk.start:
+        out.add(0)
+    return sorted(out)
+
+
+def chunk_checks(key: str, chunk: Chunk, blocks: list[int] | None, block: int) -> list[BlockCheck]:
+    """The checks of the given block indices of ``chunk`` (None: every block)."""
+    n = chunk.end - chunk.start
+    if len(chunk.checksum) != max(1, -(-n // block)):
+        raise CorruptCheckpointError(f"manifest: tensor '{key}' has a wrong number of block checksums")
+    if n == 0:
+        return [BlockCheck(chunk.file, chunk.start, chunk.end, chunk.checksum[0], key)]
+    if blocks is None:
+        blocks = list(range(len(chunk.checksum)))
+    out = []
+    for b in blocks:
+        lo = chunk.start + b * block
+        out.append(BlockCheck(chunk.file, lo, min(chunk.end, lo + block), chunk.checksum[b], key))
+    return out
+
+
+def block_checks(ops: list[ReadOp], block: int) -> list[BlockCheck]:
+    """Every checksum block the ops touch, once, sorted by file and offset."""
+    wanted: dict[tuple[int, int], tuple[str, Chunk, set[int]]] = {}
+    for op in ops:
+        entry = wanted.setdefault((op.chunk.file, op.chunk.start), (op.key, op.chunk, set()))
+        entry[2].update(needed_blocks(op, block))
+    checks = [c for key, chunk, bl in wanted.values() for c in chunk_checks(key, chunk, sorted(bl), block)]
+    checks.sort(key=lambda c: (c.file, c.lo))
+    return checks

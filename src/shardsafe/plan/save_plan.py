@@ -22,11 +22,9 @@ from dataclasses import dataclass, field
 from math import ceil, prod
 from typing import NamedTuple
 
-import torch
-
 from ..errors import CheckpointError
 from ..gcpause import gc_paused
-from ..layout import Box, split_rows
+from ..layout import Box, boxes_disjoint, split_rows
 
 SPLIT_FRACTION = 8  # replicated tensors above mean/SPLIT_FRACTION bytes are split into rows
 MIN_SPLIT_BYTES = 1 << 20
@@ -74,23 +72,45 @@ class GlobalPlan:
     bytes_by_rank: list[int] = field(default_factory=list)
 
 
-@dataclass
-class WriteItem:
-    """One chunk to write: the box of tensor ``key`` that the local ``source`` holds."""
+@dataclass(frozen=True)
+class ChunkWrite:
+    """One chunk of a data file: box ``box`` of tensor ``key`` (``whole``: the box is the
+    whole tensor) at bytes ``[start, end)`` of the file, of safetensors dtype ``code``."""
 
     key: str
     box: Box
     whole: bool
-    source: torch.Tensor  # local tensor whose elements are exactly the box, any strides
+    code: str
+    start: int
+    end: int
 
 
 @dataclass
-class FilePlan:
-    """One data file, written by one rank."""
+class FileWrite:
+    """One data file as plain data: its name, writing rank, header bytes and chunks."""
 
     name: str
     rank: int
-    items: list[WriteItem] = field(default_factory=list)
+    header: bytes
+    chunks: list[ChunkWrite]
+
+    @property
+    def size(self) -> int:
+        """The file's size in bytes."""
+        return self.chunks[-1].end if self.chunks else len(self.header)
+
+
+def layout_file(name: str, rank: int, assignments: list[Assignment], codes: dict[str, str],
+                itemsizes: dict[str, int]) -> FileWrite:
+    """Where each assigned chunk goes in data file ``name``: the safetensors header (chunk
+    names made unique) and every chunk's byte range, in assignment order."""
+    from ..format.datafile import ChunkEntry, build_header, chunk_name
+
+    entries = [ChunkEntry(chunk_name(a.key, a.box.offsets, a.whole), codes[a.key], a.box.lengths,
+                          a.box.numel * itemsizes[a.key]) for a in assignments]
+    header, ranges = build_header(entries)
+    chunks = [ChunkWrite(a.key, a.box, a.whole, codes[a.key], s, e) for a, (s, e) in zip(assignments, ranges)]
+    return FileWrite(name, rank, header, chunks)
 
 
 def data_file_name(rank: int, index: int = 0) -> str:
@@ -150,16 +170,20 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
                         continue
                     holders[(tl.key, box)] = sorted(set(h) | set(ranks))
 
-    # Coverage: the distinct boxes of each tensor must add up to the whole tensor.
-    covered: dict[str, int] = {}
+    # Coverage: the distinct boxes of each tensor must tile it: no overlap, no hole.
+    boxes_of: dict[str, list[Box]] = {}
     for key, box in holders:
-        covered[key] = covered.get(key, 0) + box.numel
+        boxes_of.setdefault(key, []).append(box)
     for key, (_, shape, _) in tensors.items():
         need = prod(shape)
-        if covered.get(key, 0) != need and not (need == 0 and key in covered):
+        boxes = boxes_of.get(key, [])
+        covered = sum(b.numel for b in boxes)
+        if (covered != need and not (need == 0 and boxes)) or (len(boxes) > 1 and not boxes_disjoint(boxes)):
+            overlap = len(boxes) > 1 and not boxes_disjoint(boxes)
             raise CheckpointError(
-                f"tensor '{key}': the ranks' shards cover {covered.get(key, 0)} of {need} elements "
-                "(overlapping or missing shards; Partial placements must be reduced before saving)"
+                f"tensor '{key}': the ranks' shards {'overlap' if overlap else 'do not cover it'} "
+                f"({covered} of {need} elements in {len(boxes)} boxes; ranks {_holders_of(holders, key)}); "
+                "Partial placements must be reduced before saving"
             )
 
     total = sum(box.numel * itemsizes[key] for key, box in holders)
@@ -208,6 +232,11 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
     for items in by_rank:
         items.sort(key=lambda a: (order[a.key], a.box.offsets))
     return GlobalPlan(world, tensors, by_rank, load)
+
+
+def _holders_of(holders: dict[tuple[str, Box], list[int]], key: str) -> list[int]:
+    """The ranks that hold a box of ``key`` (for messages)."""
+    return sorted({r for (k, _), ranks in holders.items() if k == key for r in ranks})[:16]
 
 
 def _describe(meta: tuple[str, tuple[int, ...], str]) -> str:

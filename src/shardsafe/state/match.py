@@ -40,12 +40,29 @@ from .tree import RankLocal, is_stateful, join_key, saved_items, saved_ref, save
 
 @dataclass
 class Fill:
-    """Fill ``tensor`` (a local tensor covering ``box`` of the saved tensor ``key``)."""
+    """Fill ``tensor`` (a local tensor covering ``box`` of the saved tensor ``key``).
+
+    A fresh tensor (made by the loader, seen by nobody until the load succeeds) is created
+    empty and given its memory by :meth:`allocate` only once every check has passed, so a
+    bad checkpoint never makes the loader allocate what it claims."""
 
     key: str
     tensor: torch.Tensor
     box: Box
-    fresh: bool  # allocated by the loader (nobody else sees it until the load succeeds)
+    fresh: bool
+
+    def allocate(self) -> None:
+        """Give a fresh tensor its memory (its shape is its box's); no-op otherwise."""
+        if self.fresh and tuple(self.tensor.shape) != self.box.lengths:
+            self.tensor.resize_(self.box.lengths)
+
+    @property
+    def direct(self) -> bool:
+        """True when bytes can land straight in the tensor's memory (dense CPU, no lazy view)."""
+        if self.fresh:
+            return True
+        t = self.tensor
+        return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 @dataclass
@@ -91,10 +108,12 @@ class Matcher:
         strict: bool = True,
         rank_local_tree: Callable[[str], Any] | None = None,
         exclude: list[str] | tuple[str, ...] = (),
+        world: int = 1,
     ) -> None:
         self.exclude = tuple(exclude)
         self.manifest = manifest
         self.rank = rank
+        self.world = world
         self.strict = strict
         self.rank_local_tree = rank_local_tree
         self.result = MatchResult()
@@ -107,7 +126,14 @@ class Matcher:
         dtype = torch_dtype(entry.dtype)
         if dtype is None:
             raise CheckpointError(f"tensor '{key}': dtype {entry.dtype!r} is not supported by this torch")
-        t = torch.empty(entry.shape, dtype=dtype)
+        if self.world > 1 and entry.kind == "sharded":
+            raise CheckpointError(
+                f"tensor '{key}' was saved sharded over {self.manifest.world_size} ranks and the destination has "
+                "no tensor there: loading it would allocate the whole tensor on every rank. Give the destination "
+                "its (sharded) tensors first — for an optimizer, build its state with "
+                "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) or use "
+                "shardsafe.TrainState — or read full tensors with shardsafe.load_full")
+        t = torch.empty(0, dtype=dtype)  # memory comes in Fill.allocate, after every check
         self.result.fills.append(Fill(key, t, Box.whole(entry.shape), fresh=True))
         return t
 

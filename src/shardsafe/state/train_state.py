@@ -25,22 +25,20 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from . import rng as rng_mod
+from .context import current_rank_world
 from .tree import RankLocal, rank_local
 
 RNG_POLICY = (
     "same world size: every rank's streams restored exactly; other world size: every stream "
     "reseeded with derive_seed(rng_base_seed, step, rank) = XXH3-64('{base}:{step}:{rank}') & (2**63-1)"
 )
-_warned = False
 
 
 def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    """(rank, world) of the group the save or load in progress runs on."""
+    return current_rank_world()
 
 
 class TrainState:
@@ -73,12 +71,32 @@ class TrainState:
         self.epoch = 0
         self.tokens_seen = 0
         self.rng_restored: str | None = None  # "exact" or "derived" after a load
+        self._warned_rng = False  # the "RNG derived" warning is given once per TrainState
+
+    def _check_optimizer(self) -> None:
+        """Refuse an optimizer whose parameters are not the model's (typically one created
+        before ``fully_shard`` / ``DDP`` replaced the parameters): its state would not
+        match the sharded parameters."""
+        if self.optimizer is None:
+            return
+        mine = {id(p) for p in self.model.parameters()}
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) not in mine:
+                    from ..errors import CheckpointError
+
+                    raise CheckpointError(
+                        f"TrainState: parameter {pi} of the optimizer's param group {gi} is not a parameter of the "
+                        "model. Was the optimizer created before fully_shard / DDP / model wrapping replaced the "
+                        "parameters? Create the optimizer after wrapping the model: "
+                        "optimizer = torch.optim.AdamW(model.parameters(), ...)")
 
     # -- Stateful ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The whole training state; model and optimizer via ``get_state_dict``."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        self._check_optimizer()
         if self.optimizer is not None:
             msd, osd = get_state_dict(self.model, self.optimizer)
         else:
@@ -102,6 +120,7 @@ class TrainState:
         """Restore everything, in the order given in the module docstring."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+        self._check_optimizer()
         if self.optimizer is not None:
             set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         else:
@@ -123,9 +142,8 @@ class TrainState:
             rng_mod.restore(streams, self.numpy_generators)
             self.rng_restored = "exact"
         else:
-            global _warned
-            if not _warned:
-                _warned = True
+            if not self._warned_rng:
+                self._warned_rng = True
                 warnings.warn(
                     f"checkpoint saved on {sd['world_size']} ranks, resuming on {world}: RNG streams are "
                     "re-derived from (rng_base_seed, step, rank), not restored", stacklevel=2,

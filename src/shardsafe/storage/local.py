@@ -1,10 +1,12 @@
-"""Local filesystem storage: positional writes and reads, fsync, and crash-safe commit.
+"""The local filesystem backend: positional vectored I/O, fsync, rename, flock.
 
-Commit protocol: every file is written into a hidden temporary sibling directory and
-fsync'd, the manifest last; the directory is fsync'd and then renamed into place. When
-a committed checkpoint already sits at the path (``overwrite=True``), the two directories
-are swapped atomically with ``renameat2(RENAME_EXCHANGE)`` and the old one is deleted
-afterwards, so the path always names a complete checkpoint.
+A :class:`LocalFolder` holds an open directory descriptor and does everything relative to
+it (``openat``, ``renameat2``, ...), never through a symlink and never opening anything
+but a regular file for reading (a FIFO would block forever; ``O_NONBLOCK`` and a check on
+the open descriptor refuse it). A load that opened a checkpoint folder therefore keeps
+reading that folder even when a concurrent overwrite renames another one into its place.
+The path given by the user is followed as the system follows it (it names the folder);
+symlinks are refused only inside.
 """
 
 from __future__ import annotations
@@ -13,176 +15,388 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import mmap
 import os
 import shutil
-import uuid
-from pathlib import Path
+import stat
+from collections.abc import Sequence
 
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
-from ..format.manifest import MANIFEST_NAME
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .base import Backend, Folder, Kind, Lock, ReadHandle, WriteHandle
 
-TMP_MARK = ".shardsafe-tmp-"
-OLD_MARK = ".shardsafe-old-"
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
+_MAX_IO = 1 << 30  # bytes per system call
+_IOV_MAX = 1024
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
-def is_committed(path: Path) -> bool:
-    """True when ``path`` holds a manifest (committed checkpoint)."""
-    return (path / MANIFEST_NAME).is_file()
+def storage_error(exc: OSError, what: str, where: str) -> StorageError:
+    """A StorageError saying ``what`` failed at ``where``, keeping errno (chain ``exc``)."""
+    reason = exc.strerror or str(exc)
+    err = StorageError(f"cannot {what} {where}: {reason}", exc.errno, where)
+    err.__cause__ = exc
+    return err
 
 
-def check_target(path: Path, overwrite: bool) -> None:
-    """Refuse a save target that holds a committed checkpoint (unless ``overwrite``) or
-    anything that is not a shardsafe checkpoint."""
-    if not path.exists():
-        return
-    if not path.is_dir():
-        raise CheckpointError(f"cannot save to {path}: it exists and is not a directory")
-    if is_committed(path):
-        if not overwrite:
-            raise CheckpointExistsError(
-                f"a checkpoint already exists at {path}; pass overwrite=True to replace it"
-            )
-        return
-    if any(path.iterdir()):
-        raise CheckpointError(
-            f"cannot save to {path}: the directory is not empty and holds no shardsafe checkpoint"
-        )
+def _chunks(buffers: Sequence[memoryview]) -> list[memoryview]:
+    out = []
+    for b in buffers:
+        b = b.cast("B") if (b.format != "B" or b.ndim != 1) else b
+        for i in range(0, len(b), _MAX_IO):
+            out.append(b[i: i + _MAX_IO])
+    return [b for b in out if len(b)]
 
 
-def temp_sibling(path: Path) -> Path:
-    """A fresh hidden directory next to ``path`` to build a checkpoint in."""
-    tmp = path.parent / f".{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
-    return tmp
+class LocalReadHandle(ReadHandle):
+    """A regular file opened read-only."""
+
+    def __init__(self, fd: int, name: str, where: str, size: int) -> None:
+        self.fd = fd
+        self.name = name
+        self.where = where
+        self.size = size
+
+    def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
+        """Fill ``buffers`` from ``offset`` (short reads continue; end of file is an error)."""
+        views = _chunks(buffers)
+        total = sum(len(v) for v in views)
+        pos = offset
+        while views:
+            try:
+                got = os.preadv(self.fd, views[:_IOV_MAX], pos)
+            except OSError as exc:
+                raise storage_error(exc, "read", self.where) from exc
+            if got == 0:
+                raise CorruptCheckpointError(
+                    f"{self.where}: file ends at byte {pos}, expected at least {offset + total}")
+            pos += got
+            while views and got >= len(views[0]):
+                got -= len(views[0])
+                views.pop(0)
+            if got:
+                views[0] = views[0][got:]
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
-def lock_dir(path: Path) -> int:
-    """Hold an exclusive flock on directory ``path`` (a save in progress owns its temp
-    directory this way); returns the fd to close when done."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return fd
+class LocalWriteHandle(WriteHandle):
+    """A new file opened for positional writes."""
+
+    def __init__(self, folder: LocalFolder, fd: int, name: str) -> None:
+        self.folder = folder
+        self.fd = fd
+        self.name = name
+        self.where = folder.where(name)
+
+    def write(self, buffers: Sequence[memoryview], offset: int) -> None:
+        """``pwritev`` every byte of ``buffers`` at ``offset`` (short writes continue)."""
+        views = _chunks(buffers)
+        pos = offset
+        while views:
+            try:
+                done = os.pwritev(self.fd, views[:_IOV_MAX], pos)
+            except OSError as exc:
+                raise storage_error(exc, "write", self.where) from exc
+            if done <= 0:
+                raise StorageError(f"cannot write {self.where}: no progress", errno.EIO, self.where)
+            pos += done
+            while views and done >= len(views[0]):
+                done -= len(views[0])
+                views.pop(0)
+            if done:
+                views[0] = views[0][done:]
+
+    def finish(self, durable: bool = True) -> None:
+        """fsync (with ``durable``) and close."""
+        try:
+            if durable:
+                os.fsync(self.fd)
+        except OSError as exc:
+            raise storage_error(exc, "fsync", self.where) from exc
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+    def abort(self) -> None:
+        """Close and unlink the file."""
+        self._close()
+        try:
+            self.folder.remove(self.name)
+        except Exception:  # noqa: BLE001 - best effort on a failure path
+            pass
 
 
-def in_use(path: Path) -> bool:
-    """True when a live save holds ``path``'s lock (its temp directory is being written)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
+class _Flock(Lock):
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)  # closing the descriptor drops the flock
+
+
+def _renameat2(fd: int, a: str, b: str, flags: int) -> bool:
+    """renameat2 within directory ``fd``; False when the system lacks it or the flag."""
+    fn = _libc_renameat2()
+    if fn is None:
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def stale_siblings(path: Path) -> list[Path]:
-    """Temporary or superseded directories left next to ``path`` by interrupted saves."""
-    prefix_tmp = f".{path.name}{TMP_MARK}"
-    prefix_old = f".{path.name}{OLD_MARK}"
-    if not path.parent.is_dir():
-        return []
-    return [p for p in path.parent.iterdir() if p.name.startswith((prefix_tmp, prefix_old))]
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory, so that entries created or renamed in it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_small_file(path: Path, data: bytes) -> None:
-    """Write a whole file and fsync it (O_EXCL: never replaces an existing file)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        write_all(fd, memoryview(data), 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_all(fd: int, view: memoryview, offset: int) -> None:
-    """``pwrite`` all of ``view`` at ``offset`` (loops over short writes)."""
-    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    done = 0
-    total = len(view)
-    while done < total:
-        n = os.pwrite(fd, view[done: done + (1 << 30)], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        done += n
-
-
-def read_into(fd: int, view: memoryview, offset: int, name: str) -> None:
-    """Fill ``view`` from ``offset``; a short file raises naming ``name``."""
-    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    done = 0
-    total = len(view)
-    while done < total:
-        n = os.preadv(fd, [view[done: done + (1 << 30)]], offset + done)
-        if n == 0:
-            from ..errors import CorruptCheckpointError
-
-            raise CorruptCheckpointError(f"{name}: file ends at byte {offset + done}, expected {offset + total}")
-        done += n
-
-
-def _renameat2_exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths; False when the system cannot."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    rc = fn(fd, os.fsencode(a), fd, os.fsencode(b), flags)
     if rc == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
-    raise OSError(err, os.strerror(err), str(a))
+    raise OSError(err, os.strerror(err), a)
 
 
-def commit(tmp: Path, path: Path, overwrite: bool = True) -> None:
-    """Publish the fully written ``tmp`` directory at ``path``, atomically. Without
-    ``overwrite``, a checkpoint committed at ``path`` meanwhile (by another save) wins."""
-    fsync_dir(tmp)
-    if not overwrite and is_committed(path):
-        raise CheckpointExistsError(
-            f"a checkpoint was committed at {path} while this save was running; pass overwrite=True to replace it"
-        )
-    if path.exists():
-        if _renameat2_exchange(tmp, path):
-            fsync_dir(path.parent)
-            shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old checkpoint
+_RENAMEAT2: list = []
+
+
+def _libc_renameat2():  # noqa: ANN202 - a ctypes function or None
+    if not _RENAMEAT2:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            fn = libc.renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            _RENAMEAT2.append(fn)
+        except (OSError, AttributeError):
+            _RENAMEAT2.append(None)
+    return _RENAMEAT2[0]
+
+
+class LocalFolder(Folder):
+    """A directory of the local filesystem, held open by a descriptor."""
+
+    def __init__(self, fd: int, location: str) -> None:
+        self.fd = fd
+        self.location = location
+
+    # -- entries ------------------------------------------------------------------------
+    def _stat(self, name: str) -> os.stat_result | None:
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise storage_error(exc, "inspect", self.where(name)) from exc
+
+    def kind(self, name: str) -> Kind | None:
+        st = self._stat(name)
+        if st is None:
+            return None
+        if stat.S_ISREG(st.st_mode):
+            return "file"
+        if stat.S_ISDIR(st.st_mode):
+            return "dir"
+        return "other"
+
+    def names(self) -> list[str]:
+        try:
+            return os.listdir(self.fd)
+        except OSError as exc:
+            raise storage_error(exc, "list", self.location) from exc
+
+    def size(self, name: str) -> int:
+        st = self._stat(name)
+        if st is None:
+            raise CheckpointNotFoundError(f"{self.where(name)} does not exist")
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{self.where(name)} is not a regular file")
+        return st.st_size
+
+    def mtime(self, name: str) -> float:
+        st = self._stat(name)
+        if st is None:
+            raise CheckpointNotFoundError(f"{self.where(name)} does not exist")
+        return st.st_mtime
+
+    # -- files ---------------------------------------------------------------------------
+    def open_read(self, name: str) -> ReadHandle:
+        where = self.where(name)
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=self.fd)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{where} does not exist") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptCheckpointError(f"{where} is a symlink; checkpoints hold regular files only") from None
+            raise storage_error(exc, "open", where) from exc
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            os.close(fd)
+            raise storage_error(exc, "inspect", where) from exc
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise CorruptCheckpointError(f"{where} is not a regular file; checkpoints hold regular files only")
+        return LocalReadHandle(fd, name, where, st.st_size)
+
+    def create(self, name: str) -> WriteHandle:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, 0o644, dir_fd=self.fd)
+        except OSError as exc:
+            raise storage_error(exc, "create", self.where(name)) from exc
+        return LocalWriteHandle(self, fd, name)
+
+    def map_read(self, name: str) -> memoryview | None:
+        h = self.open_read(name)
+        try:
+            if h.size == 0:
+                return memoryview(b"")
+            assert isinstance(h, LocalReadHandle)
+            try:
+                return memoryview(mmap.mmap(h.fd, 0, access=mmap.ACCESS_COPY))
+            except OSError as exc:
+                raise storage_error(exc, "map", self.where(name)) from exc
+        finally:
+            h.close()
+
+    def remove(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise storage_error(exc, "delete", self.where(name)) from exc
+
+    # -- folders -------------------------------------------------------------------------
+    def open_folder(self, name: str, create: bool = False) -> Folder:
+        where = self.where(name)
+        if create:
+            try:
+                os.mkdir(name, 0o755, dir_fd=self.fd)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise storage_error(exc, "create folder", where) from exc
+        try:
+            fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.fd)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no folder at {where}") from None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise CorruptCheckpointError(f"{where} is not a folder (or is a symlink)") from None
+            raise storage_error(exc, "open folder", where) from exc
+        return LocalFolder(fd, where)
+
+    def remove_tree(self, name: str) -> None:
+        kind = self.kind(name)
+        if kind is None:
             return
-        # Fallback without an atomic swap: the old checkpoint is parked beside the path
-        # and found again by `recover` should a crash fall between the two renames.
-        old = path.parent / f".{path.name}{OLD_MARK}{uuid.uuid4().hex[:12]}"
-        os.rename(path, old)
-        os.rename(tmp, path)
-        fsync_dir(path.parent)
-        shutil.rmtree(old, ignore_errors=True)
-        return
-    os.rename(tmp, path)
-    fsync_dir(path.parent)
+        if kind != "dir":
+            self.remove(name)
+            return
+        errors: list[OSError] = []
+        shutil.rmtree(name, dir_fd=self.fd, onerror=lambda fn, p, info: errors.append(info[1]))
+        real = [e for e in errors if not isinstance(e, FileNotFoundError)]
+        if real and self.kind(name) is not None:
+            raise storage_error(real[0], "delete", self.where(name)) from real[0]
+
+    def rename(self, src: str, dst: str) -> None:
+        try:
+            if _renameat2(self.fd, src, dst, _RENAME_NOREPLACE):
+                return
+            if self._stat(dst) is not None:
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+            os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except OSError as exc:
+            raise storage_error(exc, f"rename {src} to", self.where(dst)) from exc
+
+    def exchange(self, a: str, b: str) -> bool:
+        try:
+            return _renameat2(self.fd, a, b, _RENAME_EXCHANGE)
+        except OSError as exc:
+            raise storage_error(exc, f"swap {a} with", self.where(b)) from exc
+
+    def sync(self) -> None:
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            raise storage_error(exc, "fsync", self.location) from exc
+
+    def _open_dir(self, name: str) -> int | None:
+        try:
+            return os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.fd)
+        except OSError:
+            return None
+
+    def lock(self, name: str) -> Lock | None:
+        fd = self._open_dir(name)
+        if fd is None:
+            raise StorageError(f"cannot lock {self.where(name)}: not a folder", errno.ENOENT, self.where(name))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in _NO_LOCKS:
+                return None
+            raise storage_error(exc, "lock", self.where(name)) from exc
+        return _Flock(fd)
+
+    def locked(self, name: str) -> bool | None:
+        fd = self._open_dir(name)
+        if fd is None:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError as exc:
+            if exc.errno in _NO_LOCKS:
+                return None
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+    def __del__(self) -> None:  # a folder dropped without close() must not leak its descriptor
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
-def require_checkpoint(path: Path) -> Path:
-    """The manifest path of the committed checkpoint at ``path``, or a clear error."""
-    manifest = path / MANIFEST_NAME
-    if not manifest.is_file():
-        parked = [p for p in stale_siblings(path) if OLD_MARK in p.name and is_committed(p)]
-        hint = f" (a previous checkpoint was left at {parked[0]} by an interrupted overwrite)" if parked else ""
-        raise CheckpointNotFoundError(f"no checkpoint at {path}{hint}")
-    return manifest
+class LocalBackend(Backend):
+    """Plain paths (and ``file://`` URLs, already stripped by the URL layer)."""
+
+    def open(self, location: str, create: bool = False) -> Folder:
+        path = os.path.abspath(location)
+        if create:
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError as exc:
+                raise storage_error(exc, "create folder", path) from exc
+        try:
+            fd = os.open(path, _DIR_FLAGS)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no folder at {path}") from None
+        except NotADirectoryError:
+            raise CheckpointNotFoundError(f"{path} is a file, not a folder") from None
+        except OSError as exc:
+            raise storage_error(exc, "open folder", path) from exc
+        return LocalFolder(fd, path)
+
+    def split(self, location: str) -> tuple[str, str]:
+        path = os.path.abspath(location)  # lexical: "a/b/.." names "a"
+        parent, name = os.path.split(path)
+        return parent, name
+
+    def exists(self, location: str) -> bool:
+        return os.path.lexists(os.path.abspath(location))

@@ -13,7 +13,6 @@ from .import_ import ImportReport, import_checkpoint
 from .inspect import Inspection, inspect_checkpoint
 from .listing import StepEntry, list_checkpoints
 from .picture import LayoutBox, layout_boxes, layout_png, layout_text
-from .reading import TensorReader
 from .verify import Problem, VerifyReport, verify_checkpoint
 
 __all__ = [
@@ -27,7 +26,6 @@ __all__ = [
     "compare_tensors",
     "export_checkpoint",
     "import_checkpoint",
-    "TensorReader",
     "StepEntry",
     "Inspection",
     "LayoutBox",

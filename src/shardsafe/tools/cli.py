@@ -110,6 +110,7 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..api import read_manifest
     from . import (
         diff_checkpoints,
         export_checkpoint,
@@ -122,7 +123,6 @@ def _run(args: argparse.Namespace) -> int:
         verify_checkpoint,
     )
     from .listing import format_listing
-    from .reading import open_checkpoint
 
     progress = False if args.no_progress else None
     if args.command == "ls":
@@ -133,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         if args.png and not args.layout:
             raise _Usage("--png needs --layout KEY")
-        root, manifest = open_checkpoint(args.checkpoint)
+        root, manifest = args.checkpoint, read_manifest(args.checkpoint)
         if args.layout:
             text = layout_text(manifest, args.layout, args.width, args.height)
             png = str(layout_png(manifest, args.layout, args.png)) if args.png else None

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import shutil
-import uuid
 from collections.abc import Iterable
-from pathlib import Path
 
+from ..checkpoint_folder import TMP_MARK, hidden_name, publish
+from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, MissingKeysError
+from ..storage.base import Folder
 
 PathLike = str | os.PathLike
 
@@ -67,41 +68,34 @@ def check_prefixes_used(prefixes: Iterable[str] | None, keys: Iterable[str]) -> 
             raise MissingKeysError(f"no key or key prefix {p!r} in the checkpoint (see `shardsafe inspect`)")
 
 
-def prepare_output(out: Path, overwrite: bool, what: str) -> None:
-    """Refuse to clobber ``out`` unless ``overwrite``; create its parent folder."""
-    if out.exists() or out.is_symlink():
-        if not overwrite:
-            raise UsageError(f"{out} already exists; pass --overwrite to replace it or choose another {what}")
-    out.parent.mkdir(parents=True, exist_ok=True)
+class Output:
+    """An output entry (file or folder) of a tool, built under a hidden temporary name
+    beside ``out`` and published atomically by :meth:`publish` (replacing what was there
+    only with ``overwrite``); :meth:`abort` removes the temporary entry. All through the
+    storage seam of ``checkpointer``."""
 
+    def __init__(self, checkpointer: Checkpointer, out: PathLike, overwrite: bool, what: str) -> None:
+        backend, location = checkpointer.locate(out)
+        parent_location, self.name = backend.split(location)
+        self.location = location
+        self.parent = backend.open(parent_location, create=True)
+        if self.parent.kind(self.name) is not None and not overwrite:
+            self.parent.close()
+            raise UsageError(f"{location} already exists; pass --overwrite to replace it or choose another {what}")
+        self.tmp = hidden_name(self.name, TMP_MARK)
 
-def temp_path(out: Path) -> Path:
-    """A hidden sibling of ``out`` to build it in before the final rename."""
-    return out.parent / f".{out.name}.shardsafe-export-{uuid.uuid4().hex[:12]}"
+    def folder(self) -> Folder:
+        """The temporary folder to build a folder output in (created)."""
+        return self.parent.open_folder(self.tmp, create=True)
 
+    def publish(self) -> None:
+        """Put the finished temporary entry at the output's name."""
+        publish(self.parent, self.tmp, self.name)
 
-def publish(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` (file or folder) to ``out``, replacing what was there."""
-    if out.is_dir() and not out.is_symlink():
-        old = temp_path(out)
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-    fd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def abort(self) -> None:
+        """Remove the temporary entry (never raises)."""
+        with contextlib.suppress(Exception):
+            self.parent.remove_tree(self.tmp)
 
-
-def remove(path: Path) -> None:
-    """Delete a file or folder, ignoring what is already gone."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+    def close(self) -> None:
+        self.parent.close()

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from ..checkpointer import Checkpointer
 from ..format.manifest import Manifest
 from .common import PathLike, check_prefixes_used, matches
 from .entries import Leaf, brief, leaves
 from .progress import Progress
-from .reading import TensorReader, open_checkpoint
 
 SLICE = 1 << 22
 
@@ -136,14 +136,26 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor, atol: float = 0.0, rtol: f
 
 
 def diff_checkpoints(a: PathLike, b: PathLike, *, atol: float = 0.0, rtol: float = 0.0,
-                     keys: list[str] | None = None, verify: bool = True, progress: bool | None = None) -> DiffReport:
+                     keys: list[str] | None = None, verify: bool = True, progress: bool | None = None,
+                     checkpointer: Checkpointer | None = None) -> DiffReport:
     """Compare the checkpoints ``a`` and ``b`` key by key (restricted to the dotted
     ``keys`` prefixes when given). Tensors with the same dtype and shape are read one at a
-    time from each and compared; rank-local values are compared per saving rank."""
+    time from each and compared; rank-local values are compared per saving rank. Each
+    checkpoint is opened once."""
+    cp = checkpointer if checkpointer is not None else Checkpointer()
+    try:
+        with cp.open_reader(a, verify=verify) as reader_a, cp.open_reader(b, verify=verify) as reader_b:
+            return _diff(reader_a, reader_b, atol, rtol, keys, progress)
+    finally:
+        if checkpointer is None:
+            cp.close()
+
+
+def _diff(reader_a: Any, reader_b: Any, atol: float, rtol: float, keys: list[str] | None,
+          progress: bool | None) -> DiffReport:
     t0 = time.perf_counter()
-    root_a, man_a = open_checkpoint(a)
-    root_b, man_b = open_checkpoint(b)
-    report = DiffReport(str(root_a), str(root_b), atol, rtol)
+    man_a, man_b = reader_a.manifest, reader_b.manifest
+    report = DiffReport(str(reader_a.location), str(reader_b.location), atol, rtol)
     la = {leaf.key: leaf for leaf in leaves(man_a) if leaf.kind != "rank_local"}
     lb = {leaf.key: leaf for leaf in leaves(man_b) if leaf.kind != "rank_local"}
     check_prefixes_used(keys, [leaf.plain for leaf in la.values()] + [leaf.plain for leaf in lb.values()])
@@ -174,8 +186,6 @@ def diff_checkpoints(a: PathLike, b: PathLike, *, atol: float = 0.0, rtol: float
                 report.changes.append(Change(key, "shape", str(list(ea.shape)), str(list(eb.shape))))
             else:
                 pairs.append((key, x, y))
-    reader_a = TensorReader(root_a, man_a, verify=verify)
-    reader_b = TensorReader(root_b, man_b, verify=verify)
     total = sum(_nbytes(man_a, x.key) for _, x, _ in pairs)
     with Progress("diff", total, enabled=progress) as bar:
         for key, x, y in pairs:

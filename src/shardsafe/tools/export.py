@@ -2,7 +2,7 @@
 ``.safetensors`` file, or a Hugging Face style folder of safetensors shards with an index.
 
 Streaming: every output byte offset is known from the manifest before any data is read,
-so tensors are read one at a time (``TensorReader``), converted if asked, written to
+so tensors are read one at a time (one open ``CheckpointReader``), converted if asked, written to
 their place and dropped. Peak memory is about the largest tensor (twice that while a
 ``--dtype`` conversion runs) plus a staging buffer, whatever the checkpoint's size.
 
@@ -22,24 +22,23 @@ without the ``#rank<r>`` marker). Formats:
 from __future__ import annotations
 
 import json
-import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..checkpointer import Checkpointer
+from ..engine.outputs import OutputFile, SafetensorsOutput, Slot, TorchSaveOutput
+from ..errors import CheckpointError
+from ..format.dtypes import torch_dtype
 from ..format.manifest import Manifest
 from ..format.values import decode
-from ..state.tree import join_key, rank_local_key, saved_items, saved_ref
-from ..storage.local import write_small_file
-from .common import PathLike, UsageError, human_bytes, matches, parse_size, prepare_output, publish, remove, temp_path
+from ..hints import missing_tensor
+from ..state.saved import children, select
+from ..state.tree import join_key, saved_ref
+from .common import Output, PathLike, UsageError, human_bytes, parse_size
 from .progress import Progress
-from .reading import TensorReader, open_checkpoint
-from .writers import SafetensorsWriter, Slot, TorchSaveWriter
 
 FORMATS = ("torch", "safetensors", "hf")
 CONVERTIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -80,86 +79,67 @@ class ExportReport:
         return "\n".join(lines)
 
 
-class _Selection:
-    """Walks the saved tree: the skeleton (nested values with Slots for tensors) and the slots."""
+def expand_rank_local(tree: Any, manifest: Manifest, rank: int | None, skipped: list[str],
+                      parts: tuple[str, ...] = ()) -> Any:
+    """The saved tree with every rank-local value replaced by saving rank ``rank``'s copy
+    (its tensors keep their manifest keys); with ``rank`` None (or a rank that has no
+    copy) rank-local values are dropped and their keys added to ``skipped``."""
+    ref = saved_ref(tree)
+    if ref is not None and ref[0] == "$rank_local":
+        per_rank = manifest.rank_local.get(ref[1]) or []
+        if rank is None or not (0 <= rank < len(per_rank)) or per_rank[rank] is None:
+            skipped.append(join_key(list(parts)) or "<root>")
+            return _DROP
+        return expand_rank_local(per_rank[rank], manifest, rank, skipped, parts)
+    kids = children(tree)
+    if kids is None:
+        return tree
+    kind, items = kids
+    kept = [(k, expand_rank_local(v, manifest, rank, skipped, parts + (str(k),))) for k, v in items]
+    if kind is dict:
+        from ..format.values import encode_dict_key
 
-    def __init__(self, manifest: Manifest, keys: list[str] | None, rank: int | None,
-                 dtype: torch.dtype | None, report: ExportReport) -> None:
-        self.manifest = manifest
-        self.keys = keys
-        self.rank = rank
-        self.dtype = dtype
-        self.report = report
-        self.slots: list[Slot] = []
-        self.values: list[tuple[str, Any]] = []
-        self.used: set[str] = set()
+        pairs = [(k, v) for k, v in kept if v is not _DROP]
+        if isinstance(tree, dict) and "$dict" not in tree:
+            return dict(pairs)
+        return {"$dict": [[encode_dict_key(k, join_key(list(parts))), v] for k, v in pairs]}
+    values = [None if v is _DROP else v for _, v in kept]
+    return values if kind is list else {"$tuple": values}
 
-    def slot(self, key: str, plain: str) -> Slot:
-        entry = self.manifest.tensors.get(key)
+
+@dataclass
+class _Built:
+    """The export's skeleton (nested values with Slots for tensors), its slots and values."""
+
+    skeleton: Any = None
+    slots: list[Slot] = field(default_factory=list)
+    values: list[tuple[str, Any]] = field(default_factory=list)
+
+
+def _build(node: Any, parts: list[str], manifest: Manifest, dtype: torch.dtype | None, out: _Built) -> Any:
+    """Decode the selected tree into a skeleton whose tensors are Slots named by their path."""
+    ref = saved_ref(node)
+    if ref is not None and ref[0] == "$tensor":
+        entry = manifest.tensors.get(ref[1])
         if entry is None:
-            from .reading import missing_tensor
-
-            raise missing_tensor(self.manifest, key)
-        from ..format.dtypes import torch_dtype
-
+            raise missing_tensor(manifest, ref[1])
         src = torch_dtype(entry.dtype)
         if src is None:
-            raise UsageError(f"tensor '{key}': dtype {entry.dtype} is not supported by this torch")
-        out = self.dtype if (self.dtype is not None and src in CONVERTIBLE) else src
-        s = Slot(key, plain, out, tuple(entry.shape))
-        self.slots.append(s)
-        return s
-
-    def build(self, node: Any, keyparts: list[str], plain: list[str]) -> Any:
-        pkey = join_key(plain)
-        ref = saved_ref(node)
-        if ref is not None and ref[0] == "$tensor":
-            if not matches(pkey, self.keys):
-                return _DROP
-            self.used.add(pkey)
-            return self.slot(ref[1], pkey)
-        if ref is not None:
-            if not (matches(pkey, self.keys) or any(k.startswith(pkey + ".") for k in self.keys or [])):
-                return _DROP
-            per_rank = self.manifest.rank_local.get(ref[1]) or []
-            if self.rank is None or not (0 <= self.rank < len(per_rank)) or per_rank[self.rank] is None:
-                self.report.skipped_rank_local.append(pkey or "<root>")
-                return _DROP
-            return self.build(per_rank[self.rank], [rank_local_key(ref[1], self.rank)], plain)
-        kids = self._children(node)
-        if kids is not None:
-            kind, items = kids
-            if not items:
-                if not matches(pkey, self.keys):
-                    return _DROP
-                self.used.add(pkey)
-                self.values.append((pkey, decode(node)))
-                return decode(node)
-            kept = [(k, v) for k, v in ((k, self.build(v, keyparts + [str(k)], plain + [str(k)])) for k, v in items)
-                    if v is not _DROP]
-            if not kept:
-                return _DROP
-            if kind is dict:
-                return dict(kept)
-            return kind(v for _, v in kept)
-        if not matches(pkey, self.keys):
-            return _DROP
-        self.used.add(pkey)
-        value = decode(node)
-        self.values.append((pkey, value))
-        return value
-
-    @staticmethod
-    def _children(node: Any) -> tuple[type, list[tuple[Any, Any]]] | None:
-        if isinstance(node, list):
-            return list, list(enumerate(node))
-        if isinstance(node, dict):
-            if len(node) == 1 and "$tuple" in node:
-                return tuple, list(enumerate(node["$tuple"]))
-            items = saved_items(node)
-            if items is not None:
-                return dict, items
-        return None
+            raise UsageError(f"tensor '{ref[1]}': dtype {entry.dtype} is not supported by this torch")
+        slot = Slot(ref[1], join_key(parts), dtype if (dtype is not None and src in CONVERTIBLE) else src,
+                    tuple(entry.shape))
+        out.slots.append(slot)
+        return slot
+    kids = children(node)
+    if kids is not None and kids[1]:
+        kind, items = kids
+        built = [(k, _build(v, parts + [str(k)], manifest, dtype, out)) for k, v in items]
+        if kind is dict:
+            return dict(built)
+        return kind(v for _, v in built)
+    value = decode(node)
+    out.values.append((join_key(parts), value))
+    return value
 
 
 def _strip(name: str, prefix: str | None) -> str:
@@ -169,7 +149,7 @@ def _strip(name: str, prefix: str | None) -> str:
 
 
 def _descend(skeleton: Any, prefix: str | None) -> Any:
-    """The part of a nested skeleton under the dotted ``prefix`` (for ``strip`` with --to torch)."""
+    """The part of a nested skeleton under the dotted ``prefix`` (``strip`` with --to torch)."""
     if not prefix:
         return skeleton
     node = skeleton
@@ -183,6 +163,19 @@ def _descend(skeleton: Any, prefix: str | None) -> Any:
         else:
             raise UsageError(f"--strip {prefix!r}: no such key in the exported state")
     return node
+
+
+def _renamed(skeleton: Any, by_key: dict[str, Slot]) -> Any:
+    """The skeleton with each Slot replaced by its renamed (stripped) Slot."""
+    if isinstance(skeleton, Slot):
+        return by_key[skeleton.key]
+    if isinstance(skeleton, dict):
+        return {k: _renamed(v, by_key) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [_renamed(v, by_key) for v in skeleton]
+    if isinstance(skeleton, tuple):
+        return tuple(_renamed(v, by_key) for v in skeleton)
+    return skeleton
 
 
 def plan_shards(slots: list[Slot], max_bytes: int) -> list[list[Slot]]:
@@ -213,11 +206,14 @@ def export_checkpoint(
     overwrite: bool = False,
     verify: bool = True,
     progress: bool | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> ExportReport:
     """Export the checkpoint at ``path`` to ``out`` in format ``to`` (torch, safetensors,
     hf); see the module docstring. ``dtype`` converts float16/bfloat16/float32/float64
     tensors (others are kept as they are); ``strip`` removes a leading dotted prefix from
-    the output names (with ``torch``: exports the subtree under it)."""
+    the output names (with ``torch``: exports the subtree under it); a prefix that no
+    exported name starts with is an error. The checkpoint is opened once and its tensors
+    read one at a time."""
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise UsageError(f"unknown export format {to!r}: choose one of {', '.join(FORMATS)}")
@@ -226,91 +222,102 @@ def export_checkpoint(
             raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype.removeprefix("torch.")]
     max_bytes = parse_size(max_shard_size)
-    root, manifest = open_checkpoint(path)
-    out = Path(out)
-    prepare_output(out, overwrite, "output path")
+    cp = checkpointer if checkpointer is not None else Checkpointer()
+    try:
+        with cp.open_reader(path, verify=verify) as reader:
+            return _export(reader, path, out, to, keys, dtype, rank, max_bytes, strip, flat, overwrite, progress,
+                           cp, t0)
+    finally:
+        if checkpointer is None:
+            cp.close()
+
+
+def _export(reader: Any, path: PathLike, out: PathLike, to: str, keys: list[str] | None, dtype: torch.dtype | None,
+            rank: int | None, max_bytes: int, strip: str | None, flat: bool, overwrite: bool,
+            progress: bool | None, cp: Checkpointer, t0: float) -> ExportReport:
+    manifest = reader.manifest
+    skipped: list[str] = []
+    tree = expand_rank_local(manifest.tree, manifest, rank, skipped)
+    if tree is _DROP:
+        tree = {}
+    wanted = [k for k in keys or [] if not any(s == k or s.startswith(k + ".") or k.startswith(s + ".")
+                                               for s in skipped)]
+    if keys:
+        try:
+            tree = select(tree, wanted) if wanted else {}
+        except CheckpointError as exc:
+            raise UsageError(f"--keys: {exc} at {path} (see `shardsafe inspect`)") from None
+    built = _Built()
+    built.skeleton = _build(tree, [], manifest, dtype, built)
     report = ExportReport(str(out), to)
-    sel = _Selection(manifest, keys, rank, dtype, report)
-    skeleton = sel.build(manifest.tree, [], [])
-    for k in keys or []:
-        if not any(matches(u, [k]) for u in sel.used) and not any(
-                s == k or s.startswith(k + ".") for s in report.skipped_rank_local):
-            raise UsageError(f"--keys {k!r} selects nothing in {root} (see `shardsafe inspect`)")
-    if not sel.slots and to != "torch":
-        raise UsageError(f"nothing to export from {root}: no tensors selected")
-    slots = [Slot(s.key, _strip(s.name, strip), s.dtype, s.shape) for s in sel.slots]
+    report.skipped_rank_local = [k for k in skipped if keys is None or any(
+        k == p or k.startswith(p + ".") or p.startswith(k + ".") for p in keys)]
+    if not built.slots and to != "torch":
+        raise UsageError(f"nothing to export from {path}: no tensors selected")
+    slots = [Slot(s.key, _strip(s.name, strip), s.dtype, s.shape) for s in built.slots]
+    if strip and to != "torch" and not any(s.name.startswith(strip + ".") for s in built.slots):
+        raise UsageError(f"--strip {strip!r} matches no exported name (names start like "
+                         f"{built.slots[0].name!r}; see `shardsafe inspect`)")
     if to != "torch" or flat:
         seen: set[str] = set()
         dup = next((s.name for s in slots if s.name in seen or seen.add(s.name)), None)
         if dup is not None:
             raise UsageError(f"two tensors would be exported as {dup!r}; choose --keys/--strip so names differ")
     if to != "torch":
-        report.skipped_values = len(sel.values)
-    reader = TensorReader(root, manifest, verify=verify)
-    tmp = temp_path(out)
+        report.skipped_values = len(built.values)
+    target = Output(cp, out, overwrite, "output path")
     try:
-        if to == "torch":
-            by_key = {s.key: s for s in slots}
-            if flat:
-                tree: Any = {_strip(k, strip): v for k, v in sel.values}
-                tree.update({s.name: s for s in slots})
-            else:
-                tree = {} if skeleton is _DROP else _descend(_renamed(skeleton, by_key), strip)
-            report.values = len(sel.values)
-            skeleton_writer = TorchSaveWriter(tmp, tree)
-            groups: list[tuple[Callable[[], Any], list[Slot]]] = [(lambda: skeleton_writer, slots)]
-            report.files = [out.name]
-        elif to == "safetensors":
-            groups = [(partial(SafetensorsWriter, tmp, slots), slots)]
-            report.files = [out.name]
-        else:
-            tmp.mkdir()
-            shards = plan_shards(slots, max_bytes)
-            names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-            groups = [(partial(SafetensorsWriter, tmp / name, shard), shard) for name, shard in zip(names, shards)]
-            weight_map = {s.name: name for name, shard in zip(names, shards) for s in shard}
-            index = {"metadata": {"total_size": sum(s.nbytes for s in slots)},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            write_small_file(tmp / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
-            report.files = [*names, INDEX_NAME]
         total = sum(s.nbytes for s in slots)
         with Progress("export", total, enabled=progress) as bar:
-            for open_writer, group in groups:
-                writer = open_writer()  # one output file open at a time
-                try:
-                    for s in group:
-                        t = reader.read(s.key)
-                        if t.dtype != s.dtype:
-                            t = t.to(s.dtype)
-                        writer.write(s, t)
-                        del t
-                        bar.advance(s.nbytes)
-                finally:
-                    writer.close()
-        if to == "hf":
-            fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        publish(tmp, out)
+            if to == "torch":
+                by_key = {s.key: s for s in slots}
+                if flat:
+                    skeleton: Any = {_strip(k, strip): v for k, v in built.values}
+                    skeleton.update({s.name: s for s in slots})
+                else:
+                    skeleton = _descend(_renamed(built.skeleton, by_key), strip)
+                report.values = len(built.values)
+                _write_file(lambda: TorchSaveOutput(target.parent, target.tmp, skeleton), slots, reader, bar)
+                report.files = [target.name]
+            elif to == "safetensors":
+                _write_file(lambda: SafetensorsOutput(target.parent, target.tmp, slots), slots, reader, bar)
+                report.files = [target.name]
+            else:
+                with target.folder() as folder:
+                    shards = plan_shards(slots, max_bytes)
+                    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+                    for name, shard in zip(names, shards):
+                        _write_file(lambda n=name, sh=shard: SafetensorsOutput(folder, n, sh), shard, reader, bar)
+                    weight_map = {s.name: name for name, shard in zip(names, shards) for s in shard}
+                    index = {"metadata": {"total_size": sum(s.nbytes for s in slots)},
+                             "weight_map": dict(sorted(weight_map.items()))}
+                    folder.write_bytes(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+                    folder.sync()
+                    report.files = [*names, INDEX_NAME]
+        target.publish()
     except BaseException:
-        remove(tmp)
+        target.abort()
         raise
+    finally:
+        target.close()
     report.tensors = len(slots)
     report.bytes = sum(s.nbytes for s in slots)
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _renamed(skeleton: Any, by_key: dict[str, Slot]) -> Any:
-    """The skeleton with each Slot replaced by its renamed (stripped) Slot."""
-    if isinstance(skeleton, Slot):
-        return by_key[skeleton.key]
-    if isinstance(skeleton, dict):
-        return {k: _renamed(v, by_key) for k, v in skeleton.items()}
-    if isinstance(skeleton, list):
-        return [_renamed(v, by_key) for v in skeleton]
-    if isinstance(skeleton, tuple):
-        return tuple(_renamed(v, by_key) for v in skeleton)
-    return skeleton
+def _write_file(open_output: Any, slots: list[Slot], reader: Any, bar: Progress) -> None:
+    """Open one output file, read each slot's tensor (converted if asked) and write it."""
+    out: OutputFile = open_output()
+    try:
+        for s in slots:
+            t = reader.read(s.key)
+            if t.dtype != s.dtype:
+                t = t.to(s.dtype)
+            out.write(s, t)
+            del t
+            bar.advance(s.nbytes)
+        out.close()
+    except BaseException:
+        out.abort()
+        raise

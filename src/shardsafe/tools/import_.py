@@ -16,7 +16,6 @@ safetensors file, a Hugging Face folder (safetensors shards, with or without ind
 from __future__ import annotations
 
 import json
-import mmap
 import struct
 import time
 import warnings
@@ -30,6 +29,7 @@ from ..api import save
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.dtypes import TORCH_TO_CODE, itemsize
 from ..format.manifest import MANIFEST_NAME
+from ..storage.base import Folder
 from .common import PathLike, UsageError, human_bytes
 from .progress import Progress
 
@@ -60,21 +60,37 @@ class ImportReport:
                 f"into {self.out} in {self.seconds:.2f} s")
 
 
+def _entry(src: Path) -> tuple[Folder, str]:
+    """The folder holding ``src`` and its name there (through the storage seam)."""
+    from ..storage.local import LocalBackend
+
+    backend = LocalBackend()
+    parent, name = backend.split(str(src))
+    try:
+        return backend.open(parent), name
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(f"no file or folder at {src}") from None
+
+
 def detect(src: Path) -> str:
     """The kind of ``src``: torch, safetensors, hf or dcp."""
-    if src.is_dir():
-        if (src / MANIFEST_NAME).is_file():
-            raise UsageError(f"{src} is already a shardsafe checkpoint")
-        if (src / ".metadata").is_file():
-            return "dcp"
-        if any(src.glob("*.safetensors.index.json")) or any(src.glob("*.safetensors")):
-            return "hf"
-        raise UsageError(f"{src}: a folder without .metadata (DCP) or *.safetensors files (Hugging Face); "
-                         "pass --from to say what it is")
-    if not src.exists():
-        raise CheckpointNotFoundError(f"no file or folder at {src}")
-    with open(src, "rb") as f:
-        head = f.read(9)
+    parent, name = _entry(src)
+    with parent:
+        kind = parent.kind(name)
+        if kind is None:
+            raise CheckpointNotFoundError(f"no file or folder at {src}")
+        if kind == "dir":
+            with parent.open_folder(name) as folder:
+                names = folder.names()
+            if MANIFEST_NAME in names:
+                raise UsageError(f"{src} is already a shardsafe checkpoint")
+            if ".metadata" in names:
+                return "dcp"
+            if any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
+                return "hf"
+            raise UsageError(f"{src}: a folder without .metadata (DCP) or *.safetensors files (Hugging Face); "
+                             "pass --from to say what it is")
+        head = _head(parent, name, 9)
     if head[:4] == b"PK\x03\x04":
         return "torch"
     if len(head) == 9 and head[8:9] == b"{":
@@ -82,10 +98,18 @@ def detect(src: Path) -> str:
     return "torch"  # the legacy (non-zip) torch.save format
 
 
+def _head(folder: Folder, name: str, n: int) -> bytes:
+    with folder.open_read(name) as h:
+        buf = bytearray(min(n, h.size))
+        h.read_into([memoryview(buf)], 0)
+        return bytes(buf)
+
+
 def load_torch(src: Path) -> Any:
     """The object in a torch.save file, loaded with ``weights_only=True`` (memory-mapped when possible)."""
-    with open(src, "rb") as f:
-        zipped = f.read(4) == b"PK\x03\x04"
+    parent, name = _entry(src)
+    with parent:
+        zipped = _head(parent, name, 4) == b"PK\x03\x04"
     try:
         return torch.load(src, map_location="cpu", weights_only=True, mmap=zipped)
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds; report one line
@@ -93,70 +117,72 @@ def load_torch(src: Path) -> Any:
         raise CheckpointError(f"{src}: torch.load(weights_only=True) refused it: {first}") from exc
 
 
-def load_safetensors(src: Path, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, memory-mapped (copy-on-write), by name."""
+def load_safetensors(src: Path, into: dict[str, torch.Tensor] | None = None,
+                     folder: Folder | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, memory-mapped (copy-on-write) where the storage
+    allows, by name. ``folder``: the folder holding it (default: its parent)."""
+    from ..format.datafile import parse_header
+
     out = {} if into is None else into
-    with open(src, "rb") as f:
-        size = f.seek(0, 2)
-        f.seek(0)
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CorruptCheckpointError(f"{src}: too short for a safetensors file")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > min(size - 8, 100 << 20):
-            raise CorruptCheckpointError(f"{src}: bad safetensors header length {n}")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{src}: the safetensors header is not JSON: {exc}") from None
-        base = 8 + n
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > base else None
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{src}: the safetensors header is not an object")
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            code, shape, (begin, end) = info["dtype"], [int(s) for s in info["shape"]], info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CorruptCheckpointError(f"{src}: bad header entry for {name!r}") from None
-        dtype = CODE_TO_TORCH.get(code)
+    own = folder is None
+    if folder is None:
+        folder, name = _entry(src)
+    else:
+        name = src.name
+    try:
+        data = folder.map_read(name)
+        if data is None:
+            data = memoryview(folder.read_bytes(name, 1 << 62))
+    finally:
+        if own:
+            folder.close()
+    if len(data) < 8:
+        raise CorruptCheckpointError(f"{src}: too short for a safetensors file")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > min(len(data) - 8, 100 << 20):
+        raise CorruptCheckpointError(f"{src}: bad safetensors header length {n}")
+    header = parse_header(bytes(data[: 8 + n]), str(src), file_bytes=len(data))
+    base = 8 + n
+    for key, entry in header.items():
+        dtype = CODE_TO_TORCH.get(entry.code)
         if dtype is None:
-            raise CheckpointError(f"{src}: tensor {name!r} has dtype {code}, which shardsafe cannot store")
+            raise CheckpointError(f"{src}: tensor {key!r} has dtype {entry.code}, which shardsafe cannot store")
+        if key in out:
+            raise CheckpointError(f"{src}: tensor {key!r} appears in more than one file")
         numel = 1
-        for s in shape:
-            numel *= s
-        if not (0 <= begin <= end <= size - base) or end - begin != numel * itemsize(dtype):
-            raise CorruptCheckpointError(f"{src}: tensor {name!r} has a bad byte range {begin}-{end}")
-        if name in out:
-            raise CheckpointError(f"{src}: tensor {name!r} appears in more than one file")
-        if numel == 0 or mm is None:
-            out[name] = torch.empty(shape, dtype=dtype)
+        for d in entry.shape:
+            numel *= d
+        if numel == 0:
+            out[key] = torch.empty(entry.shape, dtype=dtype)
             continue
-        t = torch.frombuffer(mm, dtype=dtype, count=numel, offset=base + begin).view(shape)
-        if (base + begin) % itemsize(dtype):
+        t = torch.frombuffer(data, dtype=dtype, count=numel, offset=base + entry.begin).view(entry.shape)
+        if (base + entry.begin) % itemsize(dtype):
             t = t.clone()  # keep tensors aligned
-        out[name] = t
+        out[key] = t
     return out
 
 
 def load_hf(src: Path) -> dict[str, torch.Tensor]:
     """The tensors of a Hugging Face folder: the files its index names, else every *.safetensors file."""
-    indexes = sorted(src.glob("*.safetensors.index.json"))
-    if indexes:
-        try:
-            weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptCheckpointError(f"{indexes[0]}: not a safetensors index ({exc})") from None
-        files = list(dict.fromkeys(weight_map.values()))
-    else:
-        files = sorted(p.name for p in src.glob("*.safetensors"))
-    out: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = src / name
-        if not path.is_file():
-            raise CorruptCheckpointError(f"{src}: the index names {name}, which is missing")
-        load_safetensors(path, out)
+    parent, name = _entry(src)
+    with parent, parent.open_folder(name) as folder:
+        names = sorted(folder.names())
+        indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+        if indexes:
+            try:
+                weight_map = json.loads(folder.read_bytes(indexes[0], 64 << 20))["weight_map"]
+                files = list(dict.fromkeys(weight_map.values()))
+                if not all(isinstance(f, str) for f in files):
+                    raise TypeError("file names are not strings")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CorruptCheckpointError(f"{src / indexes[0]}: not a safetensors index ({exc})") from None
+        else:
+            files = [n for n in names if n.endswith(".safetensors")]
+        out: dict[str, torch.Tensor] = {}
+        for file in files:
+            if folder.kind(file) != "file":
+                raise CorruptCheckpointError(f"{src}: the index names {file}, which is missing")
+            load_safetensors(src / file, out, folder)
     if indexes:
         missing = [k for k in weight_map if k not in out]
         if missing:
@@ -197,6 +223,19 @@ def _count(obj: Any) -> tuple[int, int]:
     return n, b
 
 
+def _committed(out: PathLike) -> bool:
+    from ..checkpoint_folder import is_committed
+    from ..storage.local import LocalBackend
+
+    backend = LocalBackend()
+    parent, name = backend.split(str(out))
+    try:
+        with backend.open(parent) as folder:
+            return is_committed(folder, name)
+    except CheckpointError:
+        return False
+
+
 def import_checkpoint(src: PathLike, out: PathLike, *, source: str | None = None, trust_pickle: bool = False,
                       prefix: str | None = None, overwrite: bool = False,
                       progress: bool | None = None) -> ImportReport:
@@ -205,14 +244,17 @@ def import_checkpoint(src: PathLike, out: PathLike, *, source: str | None = None
     (for example ``model``, to load it with ``shardsafe.load({"model": ...})``)."""
     t0 = time.perf_counter()
     src = Path(src)
-    if not src.exists():
+    parent, name = _entry(src)
+    with parent:
+        src_kind = parent.kind(name)
+    if src_kind is None:
         raise CheckpointNotFoundError(f"no file or folder at {src}")
     kind = source or detect(src)
     if kind not in SOURCES:
         raise UsageError(f"unknown import source {kind!r}: choose one of {', '.join(SOURCES)}")
     if kind == "dcp" and not trust_pickle:
         raise UsageError(f"refusing to import {src}: {PICKLE_WHY}")
-    if (Path(out) / MANIFEST_NAME).is_file() and not overwrite:
+    if not overwrite and _committed(out):
         raise UsageError(f"a checkpoint already exists at {out}; pass --overwrite to replace it")
     with Progress(f"import: reading {kind} {src.name}", None, enabled=progress) as bar:
         bar.status(f"import: reading {kind} {src.name} ...")
@@ -221,7 +263,7 @@ def import_checkpoint(src: PathLike, out: PathLike, *, source: str | None = None
         elif kind == "safetensors":
             state = load_safetensors(src)
         elif kind == "hf":
-            if not src.is_dir():
+            if src_kind != "dir":
                 raise UsageError(f"{src}: --from hf needs a folder")
             state = load_hf(src)
         else:

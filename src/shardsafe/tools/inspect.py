@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..format.dtypes import itemsize, torch_dtype
 from ..format.manifest import Manifest, TensorEntry
 from .common import PathLike, human_bytes
 from .entries import Leaf, brief, leaves
-from .reading import open_checkpoint
 
 
 def tensor_bytes(entry: TensorEntry) -> int:
@@ -123,9 +121,11 @@ def _row(leaf: Leaf, manifest: Manifest) -> Row:
 
 def inspect_checkpoint(path: PathLike, manifest: Manifest | None = None) -> Inspection:
     """The key tree of the checkpoint at ``path`` (reads and verifies only its manifest)."""
-    root = Path(path)
+    root = str(path)
     if manifest is None:
-        root, manifest = open_checkpoint(root)
+        from ..api import read_manifest
+
+        manifest = read_manifest(path)
     rows = [_row(leaf, manifest) for leaf in leaves(manifest, "all", inline=60)]
     files = [{"name": f.name, "bytes": f.nbytes, "rank": f.rank} for f in manifest.files]
     return Inspection(str(root), manifest.world_size, manifest.created, dict(manifest.writer), files, rows)

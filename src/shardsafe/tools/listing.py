@@ -6,19 +6,16 @@ the size the manifest records. No data is hashed (``shardsafe verify`` does that
 
 from __future__ import annotations
 
-import os
-import re
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
+from ..checkpoint_folder import MAX_MANIFEST_BYTES, OLD_MARK, TMP_MARK
+from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..storage.local import OLD_MARK, TMP_MARK
+from ..steps import parse_leftover_step, parse_step
+from ..storage.base import Folder
 from .common import PathLike, human_bytes
-
-_STEP = re.compile(r"step-(\d+)")
-_HIDDEN = re.compile(r"\.(step-(\d+))(" + re.escape(TMP_MARK) + "|" + re.escape(OLD_MARK) + r").*")
 
 
 @dataclass
@@ -27,8 +24,9 @@ class StepEntry:
 
     ``status`` is ``valid`` (committed, manifest and file sizes check out), ``invalid``
     (a step folder that is torn or damaged: ``problem`` says how), ``incomplete`` (the
-    temporary folder of a save that has not committed, or was interrupted) or ``parked``
-    (a previous checkpoint left aside by an interrupted overwrite)."""
+    temporary folder of a save that has not committed, or was interrupted), ``parked``
+    (a previous checkpoint left aside by an interrupted overwrite) or ``deleting`` (a
+    checkpoint taken out of sight by retention whose files are not all deleted yet)."""
 
     name: str
     step: int | None  # None: a single checkpoint folder not named step-<N>
@@ -43,73 +41,98 @@ class StepEntry:
         return asdict(self)
 
 
-def _dir_size(path: Path) -> int:
+def _size(folder: Folder, name: str) -> int:
+    """Bytes of the regular files in sub-folder ``name`` (symlinks and others not counted)."""
     total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except OSError:
-                pass
+    try:
+        with folder.open_folder(name) as sub:
+            for entry in sub.names():
+                kind = sub.kind(entry)
+                if kind == "file":
+                    total += sub.size(entry)
+                elif kind == "dir":
+                    total += _size(sub, entry)
+    except CheckpointError:
+        pass
     return total
 
 
-def check_step(path: Path) -> tuple[Manifest | None, str | None]:
-    """(manifest, None) when ``path`` is a committed checkpoint whose manifest verifies and
+def check_step(folder: Folder) -> tuple[Manifest | None, str | None]:
+    """(manifest, None) when ``folder`` is a committed checkpoint whose manifest verifies and
     whose data files have the recorded sizes, else (manifest or None, the problem)."""
-    mpath = path / MANIFEST_NAME
     try:
-        data = mpath.read_bytes()
-    except FileNotFoundError:
-        return None, "no manifest.json (torn save or not a checkpoint)"
-    except OSError as exc:
-        return None, f"cannot read manifest.json: {exc.strerror or exc}"
+        if folder.kind(MANIFEST_NAME) is None:
+            return None, "no manifest.json (torn save or not a checkpoint)"
+        data = folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    except CheckpointError as exc:
+        return None, f"cannot read manifest.json: {exc}"
     try:
-        manifest = Manifest.from_bytes(data, str(mpath))
+        manifest = Manifest.from_bytes(data, folder.where(MANIFEST_NAME))
     except CheckpointError as exc:
         return None, str(exc)
     for entry in manifest.files:
-        try:
-            size = os.stat(path / entry.name).st_size
-        except FileNotFoundError:
+        kind = folder.kind(entry.name)
+        if kind is None:
             return manifest, f"data file {entry.name} is missing"
+        if kind != "file":
+            return manifest, f"data file {entry.name} is not a regular file"
+        size = folder.size(entry.name)
         if size != entry.nbytes:
             return manifest, f"data file {entry.name} has {size} bytes, the manifest says {entry.nbytes}"
     return manifest, None
 
 
-def list_checkpoints(folder: PathLike) -> list[StepEntry]:
+def list_checkpoints(folder: PathLike, checkpointer: Checkpointer | None = None) -> list[StepEntry]:
     """The step checkpoints (``step-<N>`` folders) and leftover temporary folders in
     ``folder``, by step. ``folder`` may also be a single checkpoint folder."""
-    root = Path(folder)
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"no folder at {root}")
+    cp = checkpointer if checkpointer is not None else Checkpointer()
+    try:
+        backend, location = cp.locate(folder)
+        root = backend.open(location)
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(f"no folder at {folder}") from None
+    finally:
+        if checkpointer is None:
+            cp.close()
     out: list[StepEntry] = []
-    if (root / MANIFEST_NAME).is_file():
-        m = _STEP.fullmatch(root.name)
-        out.append(_entry(root, int(m.group(1)) if m else None))
-        return out
-    for child in root.iterdir():
-        if not child.is_dir():
-            continue
-        m = _STEP.fullmatch(child.name)
-        if m:
-            out.append(_entry(child, int(m.group(1))))
-            continue
-        h = _HIDDEN.fullmatch(child.name)
-        if h:
-            status = "incomplete" if h.group(3) == TMP_MARK else "parked"
-            problem = ("save in progress or interrupted (not committed)" if status == "incomplete"
-                       else "previous checkpoint left by an interrupted overwrite")
-            out.append(StepEntry(child.name, int(h.group(2)), status, _dir_size(child), problem=problem))
+    with root:
+        if root.kind(MANIFEST_NAME) is not None:
+            name = backend.split(location)[1]
+            manifest, problem = check_step(root)
+            size = sum(root.size(n) for n in root.names() if root.kind(n) == "file")
+            out.append(StepEntry(name, parse_step(name), "valid" if problem is None else "invalid", size,
+                                 manifest.created if manifest else None, manifest.world_size if manifest else None,
+                                 problem))
+            return out
+        for name in root.names():
+            if root.kind(name) != "dir":
+                continue
+            step = parse_step(name)
+            if step is not None:
+                out.append(_entry(root, name, step))
+                continue
+            hidden = parse_leftover_step(name)
+            if hidden is not None:
+                step, mark = hidden
+                if mark == TMP_MARK:
+                    status, problem = "incomplete", "save in progress or interrupted (not committed)"
+                elif mark == OLD_MARK:
+                    status, problem = "parked", "previous checkpoint left by an interrupted overwrite"
+                else:
+                    status, problem = "deleting", "a deleted checkpoint whose files are still being removed"
+                out.append(StepEntry(name, step, status, _size(root, name), problem=problem))
     out.sort(key=lambda e: (e.step or 0, e.name.startswith("."), e.name))
     return out
 
 
-def _entry(path: Path, step: int | None) -> StepEntry:
-    manifest, problem = check_step(path)
+def _entry(parent: Folder, name: str, step: int | None) -> StepEntry:
+    try:
+        with parent.open_folder(name) as folder:
+            manifest, problem = check_step(folder)
+    except CheckpointError as exc:
+        manifest, problem = None, str(exc)
     return StepEntry(
-        path.name, step, "valid" if problem is None else "invalid", _dir_size(path),
+        name, step, "valid" if problem is None else "invalid", _size(parent, name),
         manifest.created if manifest else None, manifest.world_size if manifest else None, problem,
     )
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..format.manifest import Manifest
+from ..hints import missing_tensor
 from .common import PathLike, UsageError, human_bytes
 from .inspect import tensor_bytes
-from .reading import missing_tensor, open_checkpoint
 
 SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -56,7 +56,11 @@ def symbol(rank: int) -> str:
 
 
 def _manifest(source: Manifest | PathLike) -> Manifest:
-    return source if isinstance(source, Manifest) else open_checkpoint(source)[1]
+    if isinstance(source, Manifest):
+        return source
+    from ..api import read_manifest
+
+    return read_manifest(source)
 
 
 def plane(shape: tuple[int, ...]) -> tuple[int, int]:

@@ -1,8 +1,9 @@
 """``shardsafe verify``: recompute every block checksum of every chunk and every data
 file header, in parallel, and name each problem (file, tensor key, byte range).
 
-Files are read with ``pread`` into one reused buffer per thread (never mapped, so a
-file truncated while it is being checked cannot crash the process); XXH3 releases the
+Bytes are read by the one reader the loads use (``pread`` into small reused buffers,
+never mapped, so a file truncated while it is being checked cannot crash the process);
+every value ``load`` would decode is decoded too. XXH3 releases the
 GIL, so the threads hash in parallel. Also checked: missing and truncated files, and
 that every chunk's byte range matches its box and the chunks cover each tensor.
 """
@@ -10,24 +11,21 @@ that every chunk's byte range matches its box and the chunks cover each tensor.
 from __future__ import annotations
 
 import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from math import prod
-from pathlib import Path
 from typing import Any
 
-from ..api import read_manifest
-from ..errors import CorruptCheckpointError
-from ..format.checksum import checksum
+from ..checkpointer import Checkpointer
+from ..engine.reader import Problems
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.dtypes import itemsize, torch_dtype
 from ..format.manifest import Chunk, Manifest
+from ..loading import CheckpointReader, block_size, read_manifest_phase
+from ..plan.load_plan import BlockCheck, chunk_checks
+from ..state.match import Matcher
 from .common import PathLike, human_bytes
 from .progress import Progress
-from .reading import block_size
-
-WINDOW_BLOCKS = 16
 
 
 @dataclass
@@ -86,15 +84,6 @@ class VerifyReport:
         return "\n".join([*lines, f"{summary}: {len(self.problems)} problem(s)"])
 
 
-@dataclass
-class _Job:
-    file: int
-    key: str
-    chunk: Chunk
-    first: int  # first block index
-    last: int  # last block index (inclusive)
-
-
 def _geometry(manifest: Manifest, block: int) -> list[Problem]:
     """Cheap consistency checks of the manifest's chunks against their tensors."""
     problems: list[Problem] = []
@@ -126,31 +115,20 @@ def _geometry(manifest: Manifest, block: int) -> list[Problem]:
     return problems
 
 
-def _hash_job(job: _Job, fd: int, block: int, local: threading.local) -> list[tuple[int, int]]:
-    """Hash blocks first..last of a chunk; the byte ranges that do not match."""
-    c = job.chunk
-    lo = c.start + job.first * block
-    hi = min(c.end, c.start + (job.last + 1) * block)
-    if hi <= lo:
-        return [] if c.checksum and c.checksum[0] == checksum(b"") else [(lo, hi)]
-    buf = getattr(local, "buf", None)
-    if buf is None or len(buf) < hi - lo:
-        buf = local.buf = bytearray(max(hi - lo, WINDOW_BLOCKS * block))
-    view = memoryview(buf)[: hi - lo]
-    got = 0
-    while got < hi - lo:
-        n = os.preadv(fd, [view[got:]], lo + got)
-        if n == 0:
+def _values(manifest: Manifest) -> list[Problem]:
+    """Decode every value that a load decodes (the tree, and each saving rank's
+    rank-local values), allocating nothing: what ``load`` would refuse, verify reports."""
+    problems: list[Problem] = []
+    ranks = max([len(v) for v in manifest.rank_local.values()], default=1)
+    for rank in range(max(1, ranks)):
+        matcher = Matcher(manifest, rank=rank)
+        try:
+            matcher.materialize(manifest.tree)
+            matcher.result.raise_errors()
+        except CheckpointError as exc:
+            problems.append(Problem(f"the saved values cannot be decoded{f' for rank {rank}' if rank else ''}: {exc}"))
             break
-        got += n
-    bad: list[tuple[int, int]] = []
-    for b in range(job.first, job.last + 1):
-        blo = c.start + b * block
-        bhi = min(c.end, blo + block)
-        if bhi - lo > got or checksum(view[blo - lo: bhi - lo]) != c.checksum[b]:
-            bad.append((blo, bhi))
-    view.release()
-    return bad
+    return problems
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -163,92 +141,93 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def verify_checkpoint(path: PathLike, *, threads: int | None = None, progress: bool | None = None) -> VerifyReport:
-    """Check every byte of the checkpoint at ``path`` against its manifest.
+def verify_checkpoint(path: PathLike, *, threads: int | None = None, progress: bool | None = None,
+                      checkpointer: Checkpointer | None = None) -> VerifyReport:
+    """Check every byte of the checkpoint at ``path`` against its manifest, and decode
+    every saved value.
 
     Returns a report listing every problem; a checkpoint that does not exist raises
     CheckpointNotFoundError, and a corrupt manifest is reported as a problem."""
     t0 = time.perf_counter()
-    root = Path(path)
-    report = VerifyReport(str(root))
+    cp = checkpointer if checkpointer is not None else Checkpointer()
+    report = VerifyReport(str(path))
     try:
-        manifest = read_manifest(root)
-        block = block_size(manifest)
-    except CorruptCheckpointError as exc:
-        report.problems.append(Problem(str(exc)))
-        return report
-    report.files = len(manifest.files)
-    report.problems.extend(_geometry(manifest, block))
-    fds: dict[int, int] = {}
-    sizes: dict[int, int] = {}
-    jobs: list[_Job] = []
-    headers: list[int] = []
-    try:
-        for i, entry in enumerate(manifest.files):
-            try:
-                fds[i] = os.open(root / entry.name, os.O_RDONLY)
-            except FileNotFoundError:
-                n = sum(1 for t in manifest.tensors.values() for c in t.chunks if c.file == i)
-                report.problems.append(Problem(f"file is missing (it holds {n} chunks)", entry.name))
-                continue
-            sizes[i] = os.fstat(fds[i]).st_size
-            if sizes[i] != entry.nbytes:
-                report.problems.append(Problem(
-                    f"file has {sizes[i]} bytes, the manifest says {entry.nbytes} "
-                    f"({'truncated' if sizes[i] < entry.nbytes else 'replaced or appended to'})", entry.name))
-            headers.append(i)
-        for key, entry in manifest.tensors.items():
-            for c in entry.chunks:
-                report.chunks += 1
-                if c.file not in fds:
-                    continue
-                name = manifest.files[c.file].name
-                if c.end > sizes[c.file]:
-                    report.problems.append(Problem("chunk lies past the end of the file (truncated)", name, key,
-                                                   c.start, c.end))
-                    continue
-                nblocks = len(c.checksum)
-                if nblocks != max(1, -(-(c.end - c.start) // block)):
-                    continue  # reported by _geometry
-                for first in range(0, nblocks, WINDOW_BLOCKS):
-                    jobs.append(_Job(c.file, key, c, first, min(nblocks, first + WINDOW_BLOCKS) - 1))
-        total = sum(manifest.files[i].header_bytes for i in headers) + sum(
-            min(j.chunk.end, j.chunk.start + (j.last + 1) * block) - (j.chunk.start + j.first * block) for j in jobs)
-        local = threading.local()
-        bad: dict[tuple[int, int, str], tuple[Chunk, list[tuple[int, int]]]] = {}
-        with Progress("verify", total, enabled=progress) as bar, \
-                ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
-
-            def header(i: int) -> Problem | None:
-                entry = manifest.files[i]
-                data = os.pread(fds[i], entry.header_bytes, 0)
-                bar.advance(entry.header_bytes)
-                if len(data) != entry.header_bytes or checksum(data) != entry.header_checksum:
-                    return Problem("header checksum mismatch (the safetensors header is corrupt)", entry.name,
-                                   start=0, end=entry.header_bytes)
-                return None
-
-            def run(job: _Job) -> tuple[_Job, list[tuple[int, int]]]:
-                out = _hash_job(job, fds[job.file], block, local)
-                c = job.chunk
-                bar.advance(min(c.end, c.start + (job.last + 1) * block) - (c.start + job.first * block))
-                return job, out
-
-            header_futures = [pool.submit(header, i) for i in headers]
-            for fut in [pool.submit(run, j) for j in jobs]:
-                job, ranges = fut.result()
-                if ranges:
-                    bad.setdefault((job.file, job.chunk.start, job.key), (job.chunk, []))[1].extend(ranges)
-            report.problems.extend(p for p in (f.result() for f in header_futures) if p is not None)
-        for (f, _, key), (c, ranges) in sorted(bad.items(), key=lambda kv: kv[0]):
-            box = ", ".join(f"{o}:{o + n}" for o, n in zip(c.offsets, c.lengths)) or "scalar"
-            for lo, hi in _merge(ranges):
-                report.problems.append(Problem(
-                    f"checksum mismatch in the chunk [{box}] (chunk bytes {c.start}-{c.end}): the data is corrupt",
-                    manifest.files[f].name, key, lo, hi))
-        report.bytes_checked = total
+        backend, location = cp.locate(path)
+        try:
+            opened = read_manifest_phase(backend, location)
+        except CorruptCheckpointError as exc:
+            report.problems.append(Problem(str(exc)))
+            return report
+        with CheckpointReader(backend, location, memory=cp.memory, opened=opened,
+                              threads=threads or min(8, os.cpu_count() or 1)) as reader:
+            _verify(reader, report, progress)
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        if checkpointer is None:
+            cp.close()
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | None = None) -> None:
+    manifest = reader.manifest
+    block = block_size(manifest)
+    files = reader.files
+    report.files = len(manifest.files)
+    report.problems.extend(_geometry(manifest, block))
+    report.problems.extend(_values(manifest))
+    files.check_sizes = False
+    usable: set[int] = set()
+    sizes: dict[int, int] = {}
+    for i, entry in enumerate(manifest.files):
+        try:
+            sizes[i] = files.handle(i).size
+        except CorruptCheckpointError as exc:
+            n = sum(1 for t in manifest.tensors.values() for c in t.chunks if c.file == i)
+            what = "file is missing" if "missing" in str(exc) else str(exc)
+            report.problems.append(Problem(f"{what} (it holds {n} chunks)", entry.name))
+            continue
+        usable.add(i)
+        if sizes[i] != entry.nbytes:
+            report.problems.append(Problem(
+                f"file has {sizes[i]} bytes, the manifest says {entry.nbytes} "
+                f"({'truncated' if sizes[i] < entry.nbytes else 'replaced or appended to'})", entry.name))
+        try:
+            files.check_header(i)
+        except CorruptCheckpointError as exc:
+            what = str(exc).replace(f" of {files.name(i)}", "").replace(f"{files.name(i)}: ", "")
+            report.problems.append(Problem(f"header checksum mismatch (the safetensors header is corrupt): {what}",
+                                           entry.name, start=0, end=entry.header_bytes))
+            files.headers_ok.add(i)  # still hash its chunks
+    checks: list[BlockCheck] = []
+    chunk_at: dict[tuple[int, int], tuple[str, Chunk]] = {}
+    for key, entry in manifest.tensors.items():
+        for c in entry.chunks:
+            report.chunks += 1
+            if c.file not in usable or len(c.checksum) != max(1, -(-(c.end - c.start) // block)):
+                continue  # reported above / by _geometry
+            if c.end > sizes[c.file]:
+                report.problems.append(Problem("chunk lies past the end of the file (truncated)",
+                                               manifest.files[c.file].name, key, c.start, c.end))
+                continue
+            for check in chunk_checks(key, c, None, block):
+                checks.append(check)
+                chunk_at[(check.file, check.lo)] = (key, c)
+    checks.sort(key=lambda c: (c.file, c.lo))
+    total = sum(c.hi - c.lo for c in checks)
+    problems = Problems()
+    with Progress("verify", total, enabled=progress) as bar:
+        reader.reader.progress = bar.advance
+        reader.reader.verify(checks, problems, headers=set())
+    bad: dict[tuple[int, int, str], tuple[Chunk, list[tuple[int, int]]]] = {}
+    for check in problems.bad:
+        key, c = chunk_at[(check.file, check.lo)]
+        bad.setdefault((c.file, c.start, key), (c, []))[1].append((check.lo, check.hi))
+    for (f, _, key), (c, ranges) in sorted(bad.items(), key=lambda kv: kv[0]):
+        box = ", ".join(f"{o}:{o + n}" for o, n in zip(c.offsets, c.lengths)) or "scalar"
+        for lo, hi in _merge(ranges):
+            report.problems.append(Problem(
+                f"checksum mismatch in the chunk [{box}] (chunk bytes {c.start}-{c.end}): the data is corrupt",
+                manifest.files[f].name, key, lo, hi))
+    for f, exc in problems.errors:
+        report.problems.append(Problem(f"cannot read: {exc}", manifest.files[f].name))
+    report.bytes_checked = total + sum(manifest.files[i].header_bytes for i in usable)

@@ -1,0 +1,291 @@
+"""What is a committed checkpoint, what is a leftover, and how a save commits.
+
+This module is the only place that decides these things; it talks to storage only
+through the seam (``storage.base``), so every backend gets the same rules:
+
+- A checkpoint is a folder holding ``manifest.json`` (written last). Anything else is not
+  a checkpoint: readers never take a folder without its manifest.
+- A save builds its folder as a hidden sibling ``.<name>.shardsafe-tmp-<hex>``, holds a
+  lock on it while it runs, writes the manifest last and then publishes it at ``<name>``:
+  a plain rename, or, when a checkpoint is already there (``overwrite=True``), an atomic
+  swap (``renameat2(RENAME_EXCHANGE)``). Where the filesystem cannot swap, the old
+  checkpoint is parked as ``.<name>.shardsafe-old-<hex>``, the new one renamed in, and the
+  parked one deleted; should the second rename fail, the old one is renamed back. Should a
+  crash fall between the two, the next save (or a manager) renames the parked one back.
+- Deleting a checkpoint (retention, the old side of an overwrite) first takes it out of
+  readers' sight atomically (rename to ``.<name>.shardsafe-del-<hex>``, or, where that
+  fails, removal of its manifest), then deletes the files.
+- Leftovers — temp folders nobody holds, parked folders next to a committed checkpoint,
+  ``-del-`` folders — are deleted by the next save to the same name and by the manager.
+  Where the filesystem has no locks (no ``flock``), a temp folder counts as abandoned once
+  it has not changed for ``STALE_AFTER`` seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass
+
+from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from .format.manifest import MANIFEST_NAME
+from .storage.base import Backend, Folder, Lock
+
+TMP_MARK = ".shardsafe-tmp-"
+OLD_MARK = ".shardsafe-old-"
+DEL_MARK = ".shardsafe-del-"
+MARKS = (TMP_MARK, OLD_MARK, DEL_MARK)
+STALE_AFTER = 6 * 3600.0  # seconds; only where the filesystem has no locks
+MAX_MANIFEST_BYTES = 4 << 30
+
+
+def hidden_name(name: str, mark: str) -> str:
+    """A fresh hidden sibling name for ``name`` with ``mark`` (tmp, old or del)."""
+    return f".{name}{mark}{uuid.uuid4().hex[:12]}"
+
+
+def leftover_of(entry: str) -> tuple[str, str] | None:
+    """(checkpoint name, mark) when ``entry`` is a hidden sibling made by a save, else None."""
+    if not entry.startswith("."):
+        return None
+    for mark in MARKS:
+        cut = entry.rfind(mark)
+        if cut > 1:
+            return entry[1:cut], mark
+    return None
+
+
+def is_committed(parent: Folder, name: str) -> bool:
+    """True when ``parent/name`` is a folder holding a manifest."""
+    if parent.kind(name) != "dir":
+        return False
+    try:
+        with parent.open_folder(name) as f:
+            return f.kind(MANIFEST_NAME) == "file"
+    except CheckpointError:
+        return False
+
+
+def in_use(parent: Folder, entry: str, now: float | None = None) -> bool:
+    """True when a live save holds temp folder ``entry`` (by its lock; without locks, by age)."""
+    held = parent.locked(entry)
+    if held is not None:
+        return held
+    try:
+        age = (time.time() if now is None else now) - parent.mtime(entry)
+    except CheckpointError:
+        return False
+    return age < STALE_AFTER
+
+
+def siblings(parent: Folder, name: str) -> list[tuple[str, str]]:
+    """The hidden siblings of ``name`` in ``parent``: (entry, mark)."""
+    out = []
+    for entry in parent.names():
+        found = leftover_of(entry)
+        if found is not None and found[0] == name:
+            out.append((entry, found[1]))
+    return sorted(out)
+
+
+def discard(parent: Folder, entry: str) -> None:
+    """Delete entry ``entry`` of ``parent`` (a folder: its manifest first, so readers stop
+    seeing a checkpoint before its data goes)."""
+    if parent.kind(entry) == "dir":
+        with contextlib.suppress(CheckpointError), parent.open_folder(entry) as f:
+            f.remove(MANIFEST_NAME)
+    parent.remove_tree(entry)
+
+
+def delete_checkpoint(parent: Folder, name: str) -> None:
+    """Delete checkpoint ``name`` so that no reader ever sees it half deleted: renamed out
+    of sight first (or, where renaming fails, its manifest removed first), then deleted."""
+    if parent.kind(name) is None:
+        return
+    gone = hidden_name(name, DEL_MARK)
+    try:
+        parent.rename(name, gone)
+    except CheckpointError:
+        gone = name
+    discard(parent, gone)
+    with contextlib.suppress(CheckpointError):
+        parent.sync()
+
+
+def clean_leftovers(parent: Folder, name: str) -> list[str]:
+    """Repair and clean what interrupted saves and deletions left next to ``name``:
+    a parked checkpoint whose replacement never arrived is renamed back to ``name``;
+    temp folders nobody holds, other parked folders and ``-del-`` folders are deleted.
+    Returns the entries deleted or restored."""
+    done = []
+    entries = siblings(parent, name)
+    parked = [e for e, m in entries if m == OLD_MARK]
+    if parked and not is_committed(parent, name):
+        for entry in parked:  # the newest committed parked folder goes back
+            if is_committed(parent, entry) and parent.kind(name) is None:
+                parent.rename(entry, name)
+                parent.sync()
+                done.append(entry)
+                break
+    for entry, mark in entries:
+        if entry in done:
+            continue
+        if mark == TMP_MARK and in_use(parent, entry):
+            continue
+        with contextlib.suppress(CheckpointError):
+            discard(parent, entry)
+            done.append(entry)
+    return done
+
+
+def check_target(parent: Folder, name: str, overwrite: bool) -> None:
+    """Refuse a save target that holds a committed checkpoint (unless ``overwrite``) or
+    anything that is not a shardsafe checkpoint."""
+    kind = parent.kind(name)
+    where = parent.where(name)
+    if kind is None:
+        return
+    if kind != "dir":
+        raise CheckpointError(f"cannot save to {where}: it exists and is not a folder")
+    if is_committed(parent, name):
+        if not overwrite:
+            raise CheckpointExistsError(f"a checkpoint already exists at {where}; pass overwrite=True to replace it")
+        return
+    with parent.open_folder(name) as f:
+        if f.names():
+            raise CheckpointError(f"cannot save to {where}: the folder is not empty and holds no shardsafe checkpoint")
+
+
+@dataclass
+class SaveTarget:
+    """A save under way: its temp folder (``staging``), where data files are written."""
+
+    parent: Folder
+    name: str
+    tmp: str
+    staging: Folder
+    lock: Lock | None
+
+    @property
+    def location(self) -> str:
+        """The printable location of the checkpoint being saved."""
+        return self.parent.where(self.name)
+
+    def commit(self, manifest: bytes, overwrite: bool) -> None:
+        """Write the manifest last and publish the checkpoint at its name (see the module
+        docstring). Without ``overwrite``, a checkpoint committed meanwhile wins."""
+        self.staging.write_bytes(MANIFEST_NAME, manifest)
+        self.staging.sync()
+        parent, name, tmp = self.parent, self.name, self.tmp
+        if not overwrite and is_committed(parent, name):
+            raise CheckpointExistsError(
+                f"a checkpoint was committed at {self.location} while this save was running; "
+                "pass overwrite=True to replace it")
+        publish(parent, tmp, name)
+
+    def abort(self) -> None:
+        """Delete the temp folder (never raises)."""
+        with contextlib.suppress(Exception):
+            self.staging.close()
+            discard(self.parent, self.tmp)
+
+    def release(self) -> None:
+        """Close the temp folder and drop the lock (after commit or abort)."""
+        self.staging.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def publish(parent: Folder, tmp: str, name: str) -> None:
+    """Put the finished entry ``tmp`` (a folder or a file) at ``name``, atomically for
+    readers: a rename when nothing is there (an empty folder is removed first), else an
+    atomic swap, else park-rename-delete with rollback (see the module docstring)."""
+    kind = parent.kind(name)
+    if kind is None:
+        parent.rename(tmp, name)
+        parent.sync()
+        return
+    if kind == "dir" and not is_committed(parent, name):
+        with parent.open_folder(name) as f:
+            empty = not f.names()
+        if empty:
+            parent.remove_tree(name)
+            parent.rename(tmp, name)
+            parent.sync()
+            return
+    if parent.exchange(tmp, name):
+        parent.sync()
+        with contextlib.suppress(CheckpointError):
+            discard(parent, tmp)  # tmp now names the old entry
+        return
+    old = hidden_name(name, OLD_MARK)
+    parent.rename(name, old)
+    try:
+        parent.rename(tmp, name)
+    except BaseException:
+        parent.rename(old, name)  # roll back: the old entry stays in place
+        raise
+    parent.sync()
+    with contextlib.suppress(CheckpointError):
+        discard(parent, old)
+
+
+def begin_save(backend: Backend, location: str, overwrite: bool) -> SaveTarget:
+    """Check the target, clean leftovers of earlier saves to it, and create and lock a
+    fresh temp folder beside it."""
+    parent_loc, name = backend.split(location)
+    if name in ("", ".", ".."):
+        raise CheckpointError(f"cannot save to {location!r}: give a folder name")
+    parent = backend.open(parent_loc, create=True)
+    try:
+        clean_leftovers(parent, name)
+        check_target(parent, name, overwrite)
+        tmp = hidden_name(name, TMP_MARK)
+        staging = parent.open_folder(tmp, create=True)
+        try:
+            lock = parent.lock(tmp)
+        except BaseException:
+            staging.close()
+            parent.remove_tree(tmp)
+            raise
+        return SaveTarget(parent, name, tmp, staging, lock)
+    except BaseException:
+        parent.close()
+        raise
+
+
+def parked_hint(backend: Backend, location: str) -> str:
+    """A note for a missing checkpoint whose previous version sits parked beside it."""
+    try:
+        parent_loc, name = backend.split(location)
+        with backend.open(parent_loc) as parent:
+            parked = [e for e, m in siblings(parent, name) if m == OLD_MARK and is_committed(parent, e)]
+    except CheckpointError:
+        return ""
+    if not parked:
+        return ""
+    return (f" (a previous checkpoint was left at {parent.where(parked[0])} by an interrupted overwrite; "
+            "the next save or CheckpointManager restores it)")
+
+
+def open_committed(backend: Backend, location: str) -> tuple[Folder, bytes]:
+    """The folder of the committed checkpoint at ``location`` (held open, so later reads
+    see this checkpoint even if another is renamed into its place) and its manifest bytes."""
+    try:
+        folder = backend.open(location)
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint at {location}{parked_hint(backend, location)}") from None
+    try:
+        kind = folder.kind(MANIFEST_NAME)
+        if kind is None:
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {location} (no {MANIFEST_NAME}){parked_hint(backend, location)}")
+        if kind != "file":
+            raise CorruptCheckpointError(f"{folder.where(MANIFEST_NAME)} is not a regular file")
+        data = folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    except BaseException:
+        folder.close()
+        raise
+    return folder, data

@@ -1,0 +1,377 @@
+"""The Checkpointer: one object that owns everything a job's saves and loads share.
+
+It holds the storage backends, the per-rank host-memory budget (and the staging buffers
+it keeps for reuse), the plan cache, the dedicated process groups of async saves and the
+async save in flight, and wires the phases of ``saving`` and ``loading`` to the engine.
+``close()`` waits for pending work and releases it all. The module-level functions
+(``shardsafe.save``, ``load``, ``async_save``, ...) use a default Checkpointer; a
+``CheckpointManager`` owns one of its own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import warnings
+import weakref
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from .comm import Comm, resolve
+from .engine.memory import HostMemory
+from .engine.reader import OpenFiles, Reader
+from .engine.writer import FileWriter
+from .errors import CheckpointChangedError, CheckpointError
+from .format.manifest import Manifest
+from .loading import (
+    DEFAULT_MAX_BUFFER,
+    CheckpointReader,
+    LoadInfo,
+    Opened,
+    apply_phase,
+    block_size,
+    land_phase,
+    open_files_phase,
+    plan_phase,
+    read_manifest_phase,
+)
+from .saving import CHECKSUM_BLOCK, FileResult, PlanCache, PreparedSave, SaveInfo, file_result, finish, prepare
+from .state.context import active_group
+from .state.match import Matcher
+from .state.saved import select
+from .storage.base import Backend
+from .storage.urls import default_backends
+from .storage.urls import resolve as resolve_location
+
+PathLike = str | os.PathLike
+SYNC_STAGING = 128 << 20  # a sync save stages (GPU / non-dense tensors) through at most this much
+LOAD_RETRIES = 3  # a load that sees its checkpoint replaced mid-way starts again this often
+
+
+class SaveFuture:
+    """The handle of an async save: ``staged()`` and ``result()`` (durable and committed)."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = path
+        self._future: Future[SaveInfo] = Future()
+        self._staged = threading.Event()
+        self.stage_seconds = 0.0
+        self._observed = False
+
+    def staged(self, timeout: float | None = None) -> bool:
+        """True once the state has been copied out (always true after async_save returns)."""
+        return self._staged.wait(timeout)
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveInfo:
+        """Wait until the checkpoint is durable and committed; re-raises a background error."""
+        self._observed = True
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for the save; its error, or None when it committed."""
+        self._observed = True
+        return self._future.exception(timeout)
+
+
+def _threads(n: int | None, default: int) -> int:
+    return max(1, n if n is not None else default)
+
+
+class Checkpointer:
+    """Saves and loads of one job (see the module docstring).
+
+    ``storage``: the backend for local paths (e.g. a fault-injecting one in tests), or a
+    dict scheme -> backend. ``memory_budget``: the most host memory (bytes) this rank's
+    staging and bounce buffers may hold at once; None: async saves stage a rank's whole
+    share (the caller then never waits for the disk), sync saves at most 128 MiB, loads at
+    most ``max_buffer``. ``write_threads`` / ``read_threads``: I/O concurrency of sync
+    saves and of loads (async saves write on one background thread)."""
+
+    def __init__(self, *, storage: Backend | dict[str, Backend] | None = None, memory_budget: int | None = None,
+                 write_threads: int | None = None, read_threads: int | None = None, pin_memory: bool = True,
+                 plan_cache_size: int = 4) -> None:
+        if isinstance(storage, dict):
+            self.backends = {**default_backends(), **storage}
+        elif storage is not None:
+            self.backends = {**default_backends(), "file": storage}
+        else:
+            self.backends = default_backends()
+        cpus = os.cpu_count() or 1
+        self.memory = HostMemory(memory_budget)
+        self.write_threads = _threads(write_threads, min(2, cpus))
+        self.read_threads = _threads(read_threads, max(2, min(8, cpus)))
+        self.pin_memory = pin_memory
+        self.plans = PlanCache(plan_cache_size)
+        self.pending: SaveFuture | None = None
+        self._groups: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, its dedicated gloo group)
+        self._closed = False
+        _LIVE.add(self)
+
+    # -- locations ----------------------------------------------------------------------
+    def locate(self, path: PathLike) -> tuple[Backend, str]:
+        """The backend for ``path`` and the location there (unsupported URLs raise)."""
+        return resolve_location(path, self.backends)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed")
+
+    # -- saving -------------------------------------------------------------------------
+    def save(self, state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
+             process_group: Any = None) -> SaveInfo:
+        """Save ``state_dict`` at ``path`` crash-safely; see :func:`shardsafe.save`."""
+        self._check_open()
+        comm = resolve(process_group)
+        backend, location = self.locate(path)
+        with active_group(comm.group, comm.rank, comm.world):
+            prep = prepare(state_dict, backend, location, overwrite, comm, self.plans)
+        results: list[FileResult] = []
+        error: BaseException | None = None
+        try:
+            if prep.mine is not None:
+                assert prep.staging is not None
+                writer = FileWriter(prep.staging, prep.mine, prep.described.source, self.memory, block=CHECKSUM_BLOCK,
+                                    borrow=True, threads=self.write_threads - 1, pin=self.pin_memory,
+                                    staging_bytes=SYNC_STAGING)
+                writer.start()
+                try:
+                    writer.stage()
+                except BaseException as exc:
+                    writer.abort(exc)
+                    raise
+                results = [file_result(prep, writer.finish(help_write=True))]
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by finish()
+            error = exc
+        return finish(prep, results, error)
+
+    def async_save(self, state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
+                   process_group: Any = None, max_staging_bytes: int | None = None) -> SaveFuture:
+        """Stage ``state_dict`` and write it in the background; see :func:`shardsafe.async_save`."""
+        self._check_open()
+        self.wait()
+        comm = self._async_comm(process_group)
+        backend, location = self.locate(path)
+        with active_group(resolve(process_group).group, comm.rank, comm.world):
+            prep = prepare(state_dict, backend, location, overwrite, comm, self.plans)
+        future = SaveFuture(location)
+        t0 = time.perf_counter()
+        writer: FileWriter | None = None
+        stage_error: BaseException | None = None
+        try:
+            if prep.mine is not None:
+                assert prep.staging is not None
+                writer = FileWriter(prep.staging, prep.mine, prep.described.source, self.memory, block=CHECKSUM_BLOCK,
+                                    borrow=False, threads=1, pin=self.pin_memory, staging_bytes=max_staging_bytes,
+                                    write_while_staging=False)
+                writer.start()
+                writer.stage()
+        except BaseException as exc:  # noqa: BLE001 - the commit step reports it to every rank
+            stage_error = exc
+            if writer is not None:
+                writer.abort(exc)
+                writer = None
+        future.stage_seconds = time.perf_counter() - t0
+        future._staged.set()
+        thread = threading.Thread(target=_finish_async, args=(prep, writer, stage_error, future),
+                                  name="shardsafe-commit", daemon=True)
+        self.pending = future
+        thread.start()
+        if stage_error is not None and not comm.distributed:
+            self.wait()
+        return future
+
+    def wait(self) -> SaveInfo | None:
+        """Wait for the async save in flight; raises its error if it failed (once)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        if pending._observed and pending.done() and pending._future.exception() is not None:
+            return None  # its error was already raised to the caller once
+        return pending.result()
+
+    def _async_comm(self, process_group: Any) -> Comm:
+        """A dedicated gloo group over the same ranks (so background collectives never
+        interleave with training's), created once per group."""
+        base = resolve(process_group)
+        if not base.distributed:
+            return base
+        cached = self._groups.get(id(base.group))
+        if cached is None or cached[0] is not base.group:
+            ranks = dist.get_process_group_ranks(base.group)
+            group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+            cached = (base.group, group)
+            self._groups[id(base.group)] = cached  # holding the group keeps its id from being reused
+        return Comm(cached[1], base.rank, base.world)
+
+    # -- loading ------------------------------------------------------------------------
+    def read_manifest(self, path: PathLike) -> Manifest:
+        """Parse and verify the manifest of the committed checkpoint at ``path``."""
+        backend, location = self.locate(path)
+        opened = read_manifest_phase(backend, location)
+        opened.close()
+        return opened.manifest
+
+    def load(self, state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, verify: bool = True,
+             process_group: Any = None, max_buffer: int = DEFAULT_MAX_BUFFER,
+             exclude: list[str] | tuple[str, ...] = ()) -> LoadInfo:
+        """Load the checkpoint at ``path`` into ``state_dict`` in place; see :func:`shardsafe.load`."""
+        self._check_open()
+        comm = resolve(process_group)
+        backend, location = self.locate(path)
+        for attempt in range(LOAD_RETRIES):
+            try:
+                with active_group(comm.group, comm.rank, comm.world):
+                    return self._load_once(state_dict, backend, location, comm, strict, verify, max_buffer, exclude)
+            except CheckpointChangedError:
+                if attempt == LOAD_RETRIES - 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _load_once(self, state_dict: dict[str, Any], backend: Backend, location: str, comm: Comm, strict: bool,
+                   verify: bool, max_buffer: int, exclude: Any) -> LoadInfo:
+        t0 = time.perf_counter()
+        max_buffer = self.memory.fits(max_buffer)
+        error: BaseException | None = None
+        opened: Opened | None = None
+        files: OpenFiles | None = None
+        reader: Reader | None = None
+        result = plan = None
+        verified = 0
+        try:
+            opened = read_manifest_phase(backend, location)
+            manifest = opened.manifest
+            matcher = Matcher(manifest, rank=comm.rank, strict=strict, exclude=exclude, world=comm.world)
+            matcher.match(state_dict, manifest.tree, [], top=True)
+            result = matcher.result
+            result.raise_errors()
+            plan = plan_phase(manifest, result.fills, verify=verify, verify_fresh_first=True, max_buffer=max_buffer)
+            files = OpenFiles(opened.folder, manifest)
+            open_files_phase(files, plan)
+            reader = Reader(files, self.memory, self.read_threads)
+            verified = plan.verify_with(reader)
+        except Exception as exc:  # noqa: BLE001 - agreed on by every rank below
+            error = exc
+        try:
+            comm.agree(error, opened.digest if opened is not None else None, f" at {location}")
+            copied = 0
+            try:
+                assert reader is not None and plan is not None and result is not None and opened is not None
+                copied = land_phase(reader, plan, result.fills, max_buffer, block_size(opened.manifest))
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+            comm.agree(error)
+        finally:
+            if files is not None:
+                files.close()
+            if opened is not None:
+                opened.close()
+        apply_phase(result)
+        return LoadInfo(location, verified if verify else copied, len({f.key for f in result.fills}),
+                        time.perf_counter() - t0, copied)
+
+    def load_full(self, path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True,
+                  rank: int = 0) -> dict[str, Any]:
+        """A fresh tree of full CPU tensors; see :func:`shardsafe.load_full`."""
+        self._check_open()
+        backend, location = self.locate(path)
+        for attempt in range(LOAD_RETRIES):
+            try:
+                return self._load_full_once(backend, location, keys, verify, rank)
+            except CheckpointChangedError:
+                if attempt == LOAD_RETRIES - 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _load_full_once(self, backend: Backend, location: str, keys: Any, verify: bool, rank: int) -> Any:
+        opened = read_manifest_phase(backend, location)
+        try:
+            manifest = opened.manifest
+            tree = manifest.tree
+            if keys is not None:
+                tree = select(tree, [keys] if isinstance(keys, str) else list(keys))
+            matcher = Matcher(manifest, rank=rank)
+            value = matcher.materialize(tree)
+            matcher.result.raise_errors()
+            fills = matcher.result.fills
+            max_buffer = self.memory.fits(DEFAULT_MAX_BUFFER)
+            plan = plan_phase(manifest, fills, verify=verify, verify_fresh_first=False, max_buffer=max_buffer)
+            with OpenFiles(opened.folder, manifest) as files:
+                open_files_phase(files, plan)
+                reader = Reader(files, self.memory, self.read_threads)
+                plan.verify_with(reader)
+                land_phase(reader, plan, fills, max_buffer, block_size(manifest))
+            return value
+        finally:
+            opened.close()
+
+    def open_reader(self, path: PathLike, *, verify: bool = True, progress: Any = None) -> CheckpointReader:
+        """A :class:`~shardsafe.loading.CheckpointReader` on the checkpoint at ``path``."""
+        backend, location = self.locate(path)
+        return CheckpointReader(backend, location, verify=verify, memory=self.memory, threads=self.read_threads,
+                                progress=progress)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for the async save in flight (raising its error), then release the kept
+        staging buffers and the dedicated groups. The Checkpointer cannot be used after."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self.memory.trim()
+            self.plans.clear()
+            self._groups.clear()
+            _LIVE.discard(self)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _finish_async(prep: PreparedSave, writer: FileWriter | None, error: BaseException | None,
+                  future: SaveFuture) -> None:
+    results: list[FileResult] = []
+    try:
+        if writer is not None:
+            try:
+                written = writer.finish(help_write=False)
+                if error is None:
+                    results = [file_result(prep, written)]
+            except BaseException as exc:  # noqa: BLE001
+                error = error or exc
+        future._future.set_result(finish(prep, results, error))
+    except BaseException as exc:  # noqa: BLE001
+        future._future.set_exception(exc)
+
+
+_LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # for the exit drain below
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    """Interpreter exit waits for every pending async save of every Checkpointer."""
+    for cp in list(_LIVE):
+        pending = cp.pending
+        if pending is None:
+            continue
+        try:
+            pending.result()
+        except BaseException as exc:  # noqa: BLE001 - at exit, report instead of raising
+            warnings.warn(f"shardsafe: the pending async save to {pending.path} failed: {exc}", stacklevel=1)
+    for thread in threading.enumerate():  # no thread of ours may outlive the interpreter's teardown
+        if thread.name.startswith(("shardsafe-commit", "shardsafe-writer")) and \
+                thread is not threading.current_thread():
+            thread.join()

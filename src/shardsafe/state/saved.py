@@ -1,0 +1,85 @@
+"""The one walker over a saved value tree (the manifest's typed JSON).
+
+``children`` is the single definition of what a container node is (a plain JSON object,
+a ``$dict``, a JSON array, a ``$tuple``) and of its children's keys; ``select`` cuts a
+tree down to dotted key prefixes; ``walk`` visits every node with its dotted key. Loading
+(``load_full``'s ``keys``), export, diff, inspect and verify all go through them, so
+they agree on keys and on what a partial selection means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import MissingKeysError
+from .tree import join_key, saved_items, saved_ref, saved_sequence
+
+_DROP = object()
+
+
+def children(node: Any) -> tuple[type, list[tuple[Any, Any]]] | None:
+    """(container type, [(key, child), ...]) of a container node (dict, list or tuple;
+    list and tuple keys are indices), or None for a leaf (a scalar, a tensor or
+    rank-local placeholder, or a tagged scalar such as ``$int``)."""
+    if isinstance(node, list):
+        return list, list(enumerate(node))
+    seq = saved_sequence(node, tuple)
+    if seq is not None:
+        return tuple, list(enumerate(seq))
+    if saved_ref(node) is not None:
+        return None
+    items = saved_items(node)
+    if items is not None:
+        return dict, items
+    return None
+
+
+def walk(node: Any, parts: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any, bool]]:
+    """Every node in saved order as (key parts, node, is_container), containers first."""
+    kids = children(node)
+    yield parts, node, kids is not None
+    if kids is not None:
+        for k, v in kids[1]:
+            yield from walk(v, parts + (str(k),))
+
+
+def select(tree: Any, wanted: list[str]) -> Any:
+    """The parts of a saved tree under the dotted prefixes ``wanted``. A list or tuple of
+    which only some elements are selected becomes a dict keyed by their indices (so
+    element 2 stays element 2). A prefix that selects nothing raises MissingKeysError."""
+    found = {w: False for w in wanted}
+
+    def visit(node: Any, parts: list[str]) -> Any:
+        key = join_key(parts)
+        hits = [w for w in wanted if key == w or key.startswith(w + ".")]
+        if hits:
+            for w in hits:
+                found[w] = True
+            return node
+        if parts and not any(w.startswith(key + ".") for w in wanted):
+            return _DROP
+        kids = children(node)
+        if kids is None:
+            return _DROP
+        kind, items = kids
+        kept = {}
+        for k, v in items:
+            sub = visit(v, parts + [str(k)])
+            if sub is not _DROP:
+                kept[k] = sub
+        if not kept:
+            return _DROP
+        if kind is not dict and len(kept) == len(items):
+            return node
+        if kind is not dict or (isinstance(node, dict) and "$dict" in node):
+            from ..format.values import encode_dict_key
+
+            return {"$dict": [[encode_dict_key(k, key), v] for k, v in kept.items()]}
+        return kept
+
+    out = visit(tree, [])
+    missing = [w for w, ok in found.items() if not ok]
+    if missing:
+        raise MissingKeysError(f"no key or key prefix {missing[0]!r} in the checkpoint")
+    return {} if out is _DROP else out

@@ -1,0 +1,210 @@
+"""The storage seam: the few operations shardsafe needs from a place that holds files.
+
+Everything above ``storage/`` reaches files only through these classes. A :class:`Folder`
+is one directory (on an object store: one key prefix) whose entries are named by plain
+names (no ``/``); it stays the same folder for as long as it is open, even when a path
+that named it is renamed meanwhile (the local backend holds a directory descriptor).
+
+Reads and writes are positional and may run on several threads at once. A file being
+written is invisible to readers of its name until :meth:`WriteHandle.finish` returns on
+backends that cannot show partial files; on a local filesystem it is visible but lives in
+a save's temporary folder, which no reader opens. What counts as a committed checkpoint
+or a leftover is not decided here (see ``shardsafe.checkpoint_folder``).
+
+Every failure is a :class:`~shardsafe.errors.CheckpointError`: :class:`StorageError`
+(keeps ``errno``, the file name and the cause) when the backend failed, or
+:class:`~shardsafe.errors.CorruptCheckpointError` when a file is not what a checkpoint
+may hold (a symlink, a FIFO, a short file).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Literal
+
+from ..errors import StorageError
+
+Kind = Literal["file", "dir", "other"]
+
+__all__ = ["Backend", "Folder", "Kind", "Lock", "ReadHandle", "StorageError", "WriteHandle"]
+
+
+class ReadHandle(ABC):
+    """An open regular file: its size, and positional reads that fill buffers exactly."""
+
+    name: str
+    size: int
+
+    @abstractmethod
+    def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
+        """Fill ``buffers`` back to back from ``offset``; a file that ends first raises
+        CorruptCheckpointError naming the file and the byte."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the handle (idempotent)."""
+
+    def __enter__(self) -> ReadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class WriteHandle(ABC):
+    """A new file being written with positional writes (from several threads at once)."""
+
+    name: str
+
+    @abstractmethod
+    def write(self, buffers: Sequence[memoryview], offset: int) -> None:
+        """Write ``buffers`` back to back at ``offset`` (all of them, or raise)."""
+
+    @abstractmethod
+    def finish(self, durable: bool = True) -> None:
+        """Complete the file (with ``durable``: on stable storage) and close it."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Close and remove the unfinished file (idempotent; never raises)."""
+
+
+class Lock(ABC):
+    """An exclusive claim on a folder entry, held until :meth:`release`."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Give up the claim (idempotent)."""
+
+
+class Folder(ABC):
+    """One folder of a storage backend; entries are plain names."""
+
+    location: str  # printable, for messages: a path or URL
+
+    def where(self, name: str) -> str:
+        """The printable location of entry ``name``."""
+        return f"{self.location.rstrip('/')}/{name}"
+
+    # -- entries ------------------------------------------------------------------------
+    @abstractmethod
+    def kind(self, name: str) -> Kind | None:
+        """What entry ``name`` is, without following symlinks (None: absent)."""
+
+    @abstractmethod
+    def names(self) -> list[str]:
+        """The entries of this folder (any order)."""
+
+    @abstractmethod
+    def size(self, name: str) -> int:
+        """The size of regular file ``name`` (CorruptCheckpointError when it is not one)."""
+
+    @abstractmethod
+    def mtime(self, name: str) -> float:
+        """When entry ``name`` was last modified (UNIX time)."""
+
+    # -- files ---------------------------------------------------------------------------
+    @abstractmethod
+    def open_read(self, name: str) -> ReadHandle:
+        """Open regular file ``name`` for reading (never through a symlink, never a FIFO
+        or device: those raise CorruptCheckpointError; an absent file raises
+        CheckpointNotFoundError)."""
+
+    @abstractmethod
+    def create(self, name: str) -> WriteHandle:
+        """Create file ``name`` for writing; an existing entry raises StorageError (EEXIST)."""
+
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        """The whole of regular file ``name`` (at most ``limit`` bytes, else CorruptCheckpointError)."""
+        from ..errors import CorruptCheckpointError
+
+        with self.open_read(name) as h:
+            if h.size > limit:
+                raise CorruptCheckpointError(f"{self.where(name)}: {h.size} bytes, more than the {limit} allowed")
+            buf = bytearray(h.size)
+            h.read_into([memoryview(buf)], 0)
+            return bytes(buf)
+
+    def write_bytes(self, name: str, data: bytes, durable: bool = True) -> None:
+        """Create file ``name`` holding ``data`` (on stable storage with ``durable``)."""
+        h = self.create(name)
+        try:
+            h.write([memoryview(data)], 0)
+            h.finish(durable)
+        except BaseException:
+            h.abort()
+            raise
+
+    @abstractmethod
+    def remove(self, name: str) -> None:
+        """Delete file ``name`` (absent: nothing to do)."""
+
+    def map_read(self, name: str) -> memoryview | None:
+        """A private (copy-on-write) memory mapping of regular file ``name``, for importing
+        foreign files without reading them into memory first; None when the backend
+        cannot map files (read it with :meth:`read_bytes` then)."""
+        return None
+
+    # -- folders -------------------------------------------------------------------------
+    @abstractmethod
+    def open_folder(self, name: str, create: bool = False) -> Folder:
+        """Sub-folder ``name`` (created when ``create``), never through a symlink.
+        The returned folder stays that folder while open; close it when done."""
+
+    @abstractmethod
+    def remove_tree(self, name: str) -> None:
+        """Delete sub-folder ``name`` and everything in it (absent: nothing to do)."""
+
+    @abstractmethod
+    def rename(self, src: str, dst: str) -> None:
+        """Rename entry ``src`` to ``dst`` atomically (``dst`` must not exist)."""
+
+    @abstractmethod
+    def exchange(self, a: str, b: str) -> bool:
+        """Swap entries ``a`` and ``b`` atomically; False when the backend cannot."""
+
+    @abstractmethod
+    def sync(self) -> None:
+        """Make the folder's entries (creations, renames) durable."""
+
+    @abstractmethod
+    def lock(self, name: str) -> Lock | None:
+        """An exclusive, non-blocking claim on sub-folder ``name``; None when the backend
+        has no locks (callers fall back to age, see ``shardsafe.checkpoint_folder``). Raises
+        StorageError when someone else holds it."""
+
+    @abstractmethod
+    def locked(self, name: str) -> bool | None:
+        """True when someone holds the claim on ``name``; None when the backend has no locks."""
+
+    @property
+    def can_rename(self) -> bool:
+        """True when sub-folders can be renamed atomically (commit by rename)."""
+        return True
+
+    def close(self) -> None:  # noqa: B027 - backends without resources need nothing here
+        """Release the folder (idempotent)."""
+
+    def __enter__(self) -> Folder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Backend(ABC):
+    """Opens folders by location (a path or URL of the backend's kind)."""
+
+    @abstractmethod
+    def open(self, location: str, create: bool = False) -> Folder:
+        """The folder at ``location`` (created, with its parents, when ``create``);
+        CheckpointNotFoundError when it does not exist."""
+
+    @abstractmethod
+    def split(self, location: str) -> tuple[str, str]:
+        """(parent location, last name) of ``location``, normalized."""
+
+    @abstractmethod
+    def exists(self, location: str) -> bool:
+        """True when a folder (or file) is at ``location``."""

@@ -1,0 +1,219 @@
+"""A fault-injecting backend: wraps another backend and fails (or slows, or blocks) chosen
+operations, so tests and the fault campaign exercise failure paths through the storage
+seam instead of patching module attributes.
+
+Operations, as named in :class:`Fault` and counted in ``FaultyBackend.calls``: ``create``,
+``write``, ``finish`` (fsync + close), ``open_read``, ``read``, ``remove``,
+``remove_tree``, ``rename``, ``exchange``, ``sync``, ``lock``, ``open_folder``.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from .base import Backend, Folder, Kind, Lock, ReadHandle, WriteHandle
+from .local import LocalBackend, storage_error
+
+
+@dataclass
+class Fault:
+    """Fail operation ``op`` with ``errno`` (as an OSError turned into a StorageError by
+    the same rule the local backend uses).
+
+    ``name``: only entries whose name contains it; ``skip``: let that many matching calls
+    pass first; ``times``: fail that many times (None: every time after ``skip``);
+    ``after_bytes`` (``write`` only): fail once this many bytes were written in all."""
+
+    op: str
+    errno: int = errno_mod.EIO
+    name: str | None = None
+    skip: int = 0
+    times: int | None = None
+    after_bytes: int | None = None
+    seen: int = 0
+    fired: int = 0
+
+
+class FaultyBackend(Backend):
+    """``inner`` (default: the local filesystem) with faults. ``exchange=False`` acts like a
+    filesystem without atomic directory swaps; ``locks=False`` like one without flock;
+    ``write_delay`` sleeps before each write; ``write_gate`` (an Event) blocks each write
+    after the first ``gate_skip`` ones until it is set; ``on_op(op, name)`` is called
+    before every operation."""
+
+    def __init__(self, inner: Backend | None = None, faults: Iterable[Fault] = (), *, exchange: bool = True,
+                 locks: bool = True, write_delay: float = 0.0, write_gate: threading.Event | None = None,
+                 gate_skip: int = 0, on_op: Callable[[str, str], None] | None = None) -> None:
+        self.inner = inner if inner is not None else LocalBackend()
+        self.faults = list(faults)
+        self.exchange = exchange
+        self.locks = locks
+        self.write_delay = write_delay
+        self.write_gate = write_gate
+        self.gate_skip = gate_skip
+        self.on_op = on_op
+        self.calls: Counter[str] = Counter()
+        self.written = 0
+        self._lock = threading.Lock()
+
+    # -- the rule ---------------------------------------------------------------------
+    def check(self, op: str, name: str, where: str, nbytes: int = 0) -> None:
+        """Count the operation and raise when a fault says so."""
+        if self.on_op is not None:
+            self.on_op(op, name)
+        with self._lock:
+            self.calls[op] += 1
+            before = self.written
+            if op == "write":
+                self.written += nbytes
+            for f in self.faults:
+                if f.op != op or (f.name is not None and f.name not in name):
+                    continue
+                if f.after_bytes is not None and before + nbytes <= f.after_bytes:
+                    continue
+                f.seen += 1
+                if f.seen <= f.skip or (f.times is not None and f.fired >= f.times):
+                    continue
+                f.fired += 1
+                if op == "write":
+                    self.written -= nbytes
+                exc = OSError(f.errno, os.strerror(f.errno), where)
+                raise storage_error(exc, f"{op} (injected)", where) from exc
+
+    # -- Backend ----------------------------------------------------------------------
+    def open(self, location: str, create: bool = False) -> Folder:
+        return FaultyFolder(self, self.inner.open(location, create))
+
+    def split(self, location: str) -> tuple[str, str]:
+        return self.inner.split(location)
+
+    def exists(self, location: str) -> bool:
+        return self.inner.exists(location)
+
+
+class FaultyRead(ReadHandle):
+    def __init__(self, backend: FaultyBackend, inner: ReadHandle, where: str) -> None:
+        self.backend, self.inner, self.where = backend, inner, where
+        self.name, self.size = inner.name, inner.size
+
+    def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
+        self.backend.check("read", self.name, self.where, sum(len(b) for b in buffers))
+        self.inner.read_into(buffers, offset)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class FaultyWrite(WriteHandle):
+    def __init__(self, backend: FaultyBackend, inner: WriteHandle, where: str) -> None:
+        self.backend, self.inner, self.where = backend, inner, where
+        self.name = inner.name
+
+    def write(self, buffers: Sequence[memoryview], offset: int) -> None:
+        b = self.backend
+        if b.write_gate is not None and b.calls["write"] >= b.gate_skip:
+            b.write_gate.wait()
+        if b.write_delay:
+            time.sleep(b.write_delay)
+        b.check("write", self.name, self.where, sum(memoryview(x).nbytes for x in buffers))
+        self.inner.write(buffers, offset)
+
+    def finish(self, durable: bool = True) -> None:
+        try:
+            self.backend.check("finish", self.name, self.where)
+        except BaseException:
+            self.inner.abort()
+            raise
+        self.inner.finish(durable)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+class _FaultyLock(Lock):
+    def __init__(self, inner: Lock) -> None:
+        self.inner = inner
+
+    def release(self) -> None:
+        self.inner.release()
+
+
+class FaultyFolder(Folder):
+    def __init__(self, backend: FaultyBackend, inner: Folder) -> None:
+        self.backend = backend
+        self.inner = inner
+        self.location = inner.location
+
+    def _check(self, op: str, name: str) -> None:
+        self.backend.check(op, name, self.where(name))
+
+    def kind(self, name: str) -> Kind | None:
+        return self.inner.kind(name)
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def size(self, name: str) -> int:
+        return self.inner.size(name)
+
+    def mtime(self, name: str) -> float:
+        return self.inner.mtime(name)
+
+    def open_read(self, name: str) -> ReadHandle:
+        self._check("open_read", name)
+        return FaultyRead(self.backend, self.inner.open_read(name), self.where(name))
+
+    def create(self, name: str) -> WriteHandle:
+        self._check("create", name)
+        return FaultyWrite(self.backend, self.inner.create(name), self.where(name))
+
+    def remove(self, name: str) -> None:
+        self._check("remove", name)
+        self.inner.remove(name)
+
+    def open_folder(self, name: str, create: bool = False) -> Folder:
+        self._check("open_folder", name)
+        return FaultyFolder(self.backend, self.inner.open_folder(name, create))
+
+    def remove_tree(self, name: str) -> None:
+        self._check("remove_tree", name)
+        self.inner.remove_tree(name)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._check("rename", f"{src}->{dst}")
+        self.inner.rename(src, dst)
+
+    def exchange(self, a: str, b: str) -> bool:
+        if not self.backend.exchange:
+            return False
+        self._check("exchange", f"{a}<->{b}")
+        return self.inner.exchange(a, b)
+
+    def sync(self) -> None:
+        self._check("sync", "")
+        self.inner.sync()
+
+    def lock(self, name: str) -> Lock | None:
+        self._check("lock", name)
+        if not self.backend.locks:
+            return None
+        inner = self.inner.lock(name)
+        return None if inner is None else _FaultyLock(inner)
+
+    def locked(self, name: str) -> bool | None:
+        if not self.backend.locks:
+            return None
+        return self.inner.locked(name)
+
+    @property
+    def can_rename(self) -> bool:
+        return self.inner.can_rename
+
+    def close(self) -> None:
+        self.inner.close()
