@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 from .api import (  # noqa: E402
     async_save,
     default_checkpointer,
+    delete,
     load,
     load_full,
     read_manifest,
@@ -38,6 +39,7 @@ __all__ = [
     "save",
     "load",
     "load_full",
+    "delete",
     "async_save",
     "wait_for_pending",
     "Checkpointer",

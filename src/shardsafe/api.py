@@ -84,10 +84,16 @@ def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bo
     return default_checkpointer().load_full(path, keys, verify=verify, rank=rank)
 
 
+def delete(path: PathLike) -> bool:
+    """Delete the checkpoint at ``path`` crash-safely (readers never see it half deleted);
+    False when there was none. Anything that is not a checkpoint is refused, not deleted."""
+    return default_checkpointer().delete(path)
+
+
 def read_manifest(path: PathLike) -> Manifest:
     """Parse and verify the manifest of the committed checkpoint at ``path``."""
     return default_checkpointer().read_manifest(path)
 
 
-__all__ = ["CHECKSUM_BLOCK", "Checkpointer", "LoadInfo", "SaveFuture", "SaveInfo", "async_save",
+__all__ = ["CHECKSUM_BLOCK", "Checkpointer", "LoadInfo", "SaveFuture", "SaveInfo", "async_save", "delete",
            "default_checkpointer", "load", "load_full", "read_manifest", "save", "wait_for_pending"]

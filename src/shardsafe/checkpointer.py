@@ -313,6 +313,27 @@ class Checkpointer:
         finally:
             opened.close()
 
+    def delete(self, path: PathLike) -> bool:
+        """Delete the checkpoint at ``path`` so that no reader ever sees it half deleted
+        (out of sight first, then its files). Returns False when there was none; a folder
+        that is not a shardsafe checkpoint is refused (CheckpointError), never deleted."""
+        from .checkpoint_folder import delete_checkpoint, is_committed
+
+        backend, location = self.locate(path)
+        parent_location, name = backend.split(location)
+        try:
+            parent = backend.open(parent_location)
+        except CheckpointError:
+            return False
+        with parent:
+            kind = parent.kind(name)
+            if kind is None:
+                return False
+            if not is_committed(parent, name):
+                raise CheckpointError(f"{location} is not a shardsafe checkpoint; refusing to delete it")
+            delete_checkpoint(parent, name)
+            return True
+
     def open_reader(self, path: PathLike, *, verify: bool = True, progress: Any = None) -> CheckpointReader:
         """A :class:`~shardsafe.loading.CheckpointReader` on the checkpoint at ``path``."""
         backend, location = self.locate(path)
