@@ -13,7 +13,8 @@ from typing import Any
 
 from ..format.manifest import Manifest
 from ..format.values import decode
-from ..state.tree import join_key, rank_local_key, saved_items, saved_ref
+from ..state.saved import children
+from ..state.tree import join_key, rank_local_key, saved_ref
 
 
 @dataclass(frozen=True)
@@ -33,24 +34,12 @@ class Leaf:
 
 
 def _is_container(node: Any) -> bool:
-    if isinstance(node, list):
-        return True
-    if isinstance(node, dict):
-        if len(node) == 1:
-            tag = next(iter(node))
-            if tag.startswith("$"):
-                return tag in ("$dict", "$tuple")
-        return True
-    return False
+    return children(node) is not None
 
 
 def _children(node: Any) -> list[tuple[str, Any]]:
-    if isinstance(node, list):
-        return [(str(i), v) for i, v in enumerate(node)]
-    if isinstance(node, dict) and len(node) == 1 and "$tuple" in node:
-        return [(str(i), v) for i, v in enumerate(node["$tuple"])]
-    items = saved_items(node) or []
-    return [(str(k), v) for k, v in items]
+    kids = children(node)
+    return [] if kids is None else [(str(k), v) for k, v in kids[1]]
 
 
 def _has_refs(node: Any) -> bool:
