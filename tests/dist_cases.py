@@ -134,9 +134,10 @@ def assert_bitwise(a, b, path: str = "") -> None:
         assert a.dtype == b.dtype and a.shape == b.shape, (
             f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
         )
-        assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), (
-            f"{path}: values differ"
-        )
+        def raw(t: torch.Tensor) -> torch.Tensor:  # standard strides (a 1-element view may have any)
+            return t.detach().clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
+
+        assert torch.equal(raw(a), raw(b)), f"{path}: values differ"
     elif isinstance(a, dict):
         assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
         for k in a:

@@ -39,6 +39,7 @@ from .parallel import run_shares
 BORROW_STRETCH = 8 << 20  # bytes per stretch of borrowed memory (threads share a file in these)
 SLOT = 64 << 20  # bytes per staging slot
 COPY_THREADS = 4  # at most this many threads copy into one slot (the caller included)
+PART = 1 << 20  # a non-dense CPU source is made dense this many bytes at a time (cache-sized)
 PARALLEL_MIN = 8 << 20  # states smaller than this are staged by the caller alone
 IOV_MAX = 1024
 
@@ -211,7 +212,8 @@ class FileWriter:
                 slot = _SlotFill(self._lease(), chunk.start)
             slot.add_piece(ci, 0, 0)
             return slot
-        for part_lo, part in self._source_parts(src, self.slot):
+        temporary = not (src.device.type == "cpu" and dense(src))  # parts are copies made for us
+        for part_lo, part in self._source_parts(src, self.slot if self.cuda else PART):
             done = 0
             m = part.numel()
             while done < m:
@@ -225,21 +227,29 @@ class FileWriter:
                     self._check()
                     slot = _SlotFill(self._lease(), chunk.start + lo)
                 take = min(m - done, block_hi - lo)
-                slot.add_copy(ci, bi, lo == block_lo, part[done: done + take])
+                slot.add_copy(ci, bi, lo == block_lo, part[done: done + take], now=temporary, cuda=self.cuda)
                 done += take
         return slot
 
     @staticmethod
     def _source_parts(src: torch.Tensor, limit: int) -> Iterator[tuple[int, torch.Tensor]]:
-        """(chunk-relative byte offset, uint8 bytes) of ``src`` in row-major order, each part
-        of at most about ``limit`` bytes when a copy is needed (a dense CPU source is whole)."""
+        """(chunk-relative byte offset, uint8 bytes) of ``src`` in row-major order. A dense
+        CPU source is viewed whole; otherwise parts of at most about ``limit`` bytes are made
+        dense one at a time (sub-rows of rows larger than that), so the temporary copies stay
+        small: freed and reused, they never add up (glibc keeps large freed blocks)."""
         if src.device.type == "cpu" and dense(src):
             yield 0, flat_bytes(src)
             return
-        if src.dim() == 0 or src.numel() * src.element_size() <= limit:
+        nbytes = src.numel() * src.element_size()
+        if src.dim() == 0 or nbytes <= limit:
             yield 0, flat_bytes(src.contiguous())
             return
-        row = src[0].numel() * src.element_size()
+        row = nbytes // src.shape[0] if src.shape[0] else 0
+        if row > limit:
+            for r in range(src.shape[0]):
+                for lo, part in FileWriter._source_parts(src[r], limit):
+                    yield r * row + lo, part
+            return
         step = max(1, limit // max(row, 1))
         for r in range(0, src.shape[0], step):
             yield r * row, flat_bytes(src[r: r + step].contiguous())
@@ -369,9 +379,16 @@ class _SlotFill:
         self.pieces.append((ci, bi, self.pos, self.pos + n))
         self.pos += n
 
-    def add_copy(self, ci: int, bi: int, new_block: bool, src: torch.Tensor) -> None:
+    def add_copy(self, ci: int, bi: int, new_block: bool, src: torch.Tensor, now: bool = False,
+                 cuda: bool = False) -> None:
+        """Place ``src``'s bytes next in the slot: copied at once when ``now`` (a temporary
+        part, freed right after), else when the slot closes (split over threads)."""
         n = src.numel()
-        self.copies.append((self.lease.tensor[self.pos: self.pos + n], src))
+        dst = self.lease.tensor[self.pos: self.pos + n]
+        if now:
+            dst.copy_(src, non_blocking=cuda)
+        else:
+            self.copies.append((dst, src))
         if not new_block and self.pieces and self.pieces[-1][:2] == (ci, bi):
             c, b, lo, hi = self.pieces[-1]
             self.pieces[-1] = (c, b, lo, hi + n)  # a block whose source came in two parts

@@ -44,12 +44,14 @@ class FaultyBackend(Backend):
     """``inner`` (default: the local filesystem) with faults. ``exchange=False`` acts like a
     filesystem without atomic directory swaps; ``locks=False`` like one without flock;
     ``write_delay`` sleeps before each write; ``write_gate`` (an Event) blocks each write
-    after the first ``gate_skip`` ones until it is set; ``on_op(op, name)`` is called
-    before every operation."""
+    after the first ``gate_skip`` ones until it is set; ``hidden`` names are left out of
+    folder listings (a stale listing, as NFS attribute caches give); ``on_op(op, name)``
+    is called before every operation."""
 
     def __init__(self, inner: Backend | None = None, faults: Iterable[Fault] = (), *, exchange: bool = True,
                  locks: bool = True, write_delay: float = 0.0, write_gate: threading.Event | None = None,
-                 gate_skip: int = 0, on_op: Callable[[str, str], None] | None = None) -> None:
+                 gate_skip: int = 0, hidden: Iterable[str] = (),
+                 on_op: Callable[[str, str], None] | None = None) -> None:
         self.inner = inner if inner is not None else LocalBackend()
         self.faults = list(faults)
         self.exchange = exchange
@@ -57,6 +59,7 @@ class FaultyBackend(Backend):
         self.write_delay = write_delay
         self.write_gate = write_gate
         self.gate_skip = gate_skip
+        self.hidden = set(hidden)
         self.on_op = on_op
         self.calls: Counter[str] = Counter()
         self.written = 0
@@ -157,7 +160,7 @@ class FaultyFolder(Folder):
         return self.inner.kind(name)
 
     def names(self) -> list[str]:
-        return self.inner.names()
+        return [n for n in self.inner.names() if n not in self.backend.hidden]
 
     def size(self, name: str) -> int:
         return self.inner.size(name)
