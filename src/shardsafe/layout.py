@@ -163,19 +163,6 @@ def byte_runs(inner: Box, outer: Box, itemsize: int) -> Iterator[tuple[int, int]
     yield (pending_start, pending_len)
 
 
-def count_runs(inner: Box, outer: Box) -> int:
-    """How many separate runs :func:`byte_runs` yields, without listing them."""
-    if inner.is_empty():
-        return 0
-    rel = inner.relative_to(outer)
-    d = inner.ndim
-    while d > 0 and rel.lengths[d - 1] == outer.lengths[d - 1]:
-        d -= 1
-    if d <= 1:
-        return 1
-    return prod(rel.lengths[: d - 1])
-
-
 def split_rows(shape: Sequence[int], parts: int) -> list[Box]:
     """Split a tensor into at most ``parts`` boxes of whole rows (dim 0), as even as possible.
 

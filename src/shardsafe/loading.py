@@ -10,7 +10,6 @@ whole tensors one at a time (files opened and headers checked once).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +18,11 @@ import torch
 
 from .checkpoint_folder import open_committed
 from .engine.memory import HostMemory
-from .engine.reader import OpenFiles, Problems, Reader
+from .engine.reader import OpenFiles, Reader
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.checksum import checksum
 from .format.manifest import Manifest
-from .plan.load_plan import DEFAULT_MAX_BUFFER, BlockCheck, Dest, ReadOp, block_checks, chunk_checks, plan_reads
+from .plan.load_plan import DEFAULT_MAX_BUFFER, BlockCheck, Dest, ReadOp, block_checks, plan_reads
 from .state.match import Fill, Matcher, MatchResult
 from .storage.base import Backend, Folder
 
@@ -170,15 +169,6 @@ class CheckpointReader:
         land_phase(self.reader, plan, fills, self.max_buffer, self.block)
         return tensor
 
-    def verify_all(self, problems: Problems) -> int:
-        """Hash every block of every chunk of every readable file, collecting problems."""
-        checks: list[BlockCheck] = []
-        for key, entry in self.manifest.tensors.items():
-            for c in entry.chunks:
-                checks.extend(chunk_checks(key, c, None, self.block))
-        checks.sort(key=lambda c: (c.file, c.lo))
-        return self.reader.verify(checks, problems)
-
     def close(self) -> None:
         """Close the files and the folder."""
         self.files.close()
@@ -189,10 +179,6 @@ class CheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def timed(t0: float) -> float:
-    return time.perf_counter() - t0
 
 
 __all__ = ["CheckpointReader", "LoadInfo", "Opened", "ReadPlan", "apply_phase", "block_size", "land_phase",

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +198,6 @@ class PreparedSave:
     overwrite: bool
     target: SaveTarget | None = None  # rank 0 holds the target (its lock) until the save ends
     staging: Folder | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: bool, comm: Comm,

@@ -14,16 +14,3 @@ ALGORITHM = "xxh3_64"
 def checksum(buffer) -> str:
     """XXH3-64 of a bytes-like object (memoryview, numpy array, bytes), as 16 hex digits."""
     return format(xxhash.xxh3_64_intdigest(buffer), "016x")
-
-
-class StreamingChecksum:
-    """XXH3-64 over a sequence of pieces; equal to :func:`checksum` of their concatenation."""
-
-    def __init__(self) -> None:
-        self._h = xxhash.xxh3_64()
-
-    def update(self, buffer) -> None:
-        self._h.update(buffer)
-
-    def hexdigest(self) -> str:
-        return format(self._h.intdigest(), "016x")

@@ -161,11 +161,6 @@ def dtensor_pieces(t: Any) -> list[Piece]:
     return pieces_for(tuple(t.shape), mesh_shape, coord, tuple(t.placements))
 
 
-def replica_group(t: Any) -> tuple[int, ...]:
-    """Mesh dims over which ``t`` is replicated: ranks differing only there hold the same pieces."""
-    return tuple(i for i, p in enumerate(t.placements) if isinstance(p, Replicate))
-
-
 def layout_of(t: Any) -> dict[str, Any]:
     """A JSON description of a DTensor's saving layout, for the manifest."""
     mesh = t.device_mesh

@@ -8,14 +8,13 @@ keys, and list / tuple indices as decimal strings, joined by ".".
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from ..errors import UnsupportedValueError
-from ..format.values import encode_dict_key, encode_scalar
+from ..format.values import MAX_DEPTH, encode_dict_key, encode_scalar, nesting_depth
 
 
 @runtime_checkable
@@ -100,7 +99,21 @@ def flatten(state: Any, rank: int = 0) -> FlatState:
         seen[key] = key
         return key
 
-    def walk(obj: Any, parts: list[str], local: bool = False) -> Any:
+    active: set[int] = set()  # ids of the containers on the path being walked (cycle check)
+
+    def walk(obj: Any, parts: list[str], local: bool = False, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise UnsupportedValueError(f"cannot save value at '{join_key(parts[:8])}...': the state nests deeper "
+                                        f"than {MAX_DEPTH} levels")
+        if isinstance(obj, (dict, list, tuple)):
+            if id(obj) in active:
+                raise UnsupportedValueError(f"cannot save value at '{join_key(parts) or '<root>'}': it contains "
+                                            "itself (a cyclic reference)")
+            active.add(id(obj))
+            try:
+                return walk_container(obj, parts, local, depth + 1)
+            finally:
+                active.discard(id(obj))
         if isinstance(obj, torch.Tensor):
             key = claim(parts)
             flat.tensors[key] = obj
@@ -109,21 +122,24 @@ def flatten(state: Any, rank: int = 0) -> FlatState:
             return {"$tensor": key}
         if isinstance(obj, RankLocal):
             key = claim(parts)
-            flat.rank_local[key] = walk(obj.value, [rank_local_key(key, rank)], True)
+            flat.rank_local[key] = walk(obj.value, [rank_local_key(key, rank)], True, depth + 1)
             return {"$rank_local": key}
         if is_stateful(obj):
-            return walk(obj.state_dict(), parts, local)
+            return walk(obj.state_dict(), parts, local, depth)
+        return encode_scalar(obj, join_key(parts))
+
+    def walk_container(obj: Any, parts: list[str], local: bool, depth: int) -> Any:
         if isinstance(obj, dict):
             path = join_key(parts)
             if _plain_keys(obj):
-                return {k: walk(v, parts + [k], local) for k, v in obj.items()}
+                return {k: walk(v, parts + [k], local, depth) for k, v in obj.items()}
             return {
-                "$dict": [[encode_dict_key(k, path), walk(v, parts + [str(k)], local)] for k, v in obj.items()]
+                "$dict": [[encode_dict_key(k, path), walk(v, parts + [str(k)], local, depth)] for k, v in obj.items()]
             }
         if type(obj) is list:
-            return [walk(v, parts + [str(i)], local) for i, v in enumerate(obj)]
+            return [walk(v, parts + [str(i)], local, depth) for i, v in enumerate(obj)]
         if type(obj) is tuple:
-            return {"$tuple": [walk(v, parts + [str(i)], local) for i, v in enumerate(obj)]}
+            return {"$tuple": [walk(v, parts + [str(i)], local, depth) for i, v in enumerate(obj)]}
         if isinstance(obj, (list, tuple)):
             raise UnsupportedValueError(
                 f"cannot save value at '{join_key(parts)}': type {type(obj).__qualname__} "
@@ -132,6 +148,10 @@ def flatten(state: Any, rank: int = 0) -> FlatState:
         return encode_scalar(obj, join_key(parts))
 
     flat.tree = walk(state, [])
+    for tree in (flat.tree, *flat.rank_local.values()):
+        if nesting_depth(tree) > MAX_DEPTH:
+            raise UnsupportedValueError(f"cannot save this state: its saved form nests deeper than {MAX_DEPTH} "
+                                        "levels (readers refuse deeper manifests)")
     return flat
 
 
@@ -164,5 +184,3 @@ def saved_ref(saved: Any) -> tuple[str, str] | None:
             return tag, key
     return None
 
-
-Assign = Callable[[], None]
