@@ -73,7 +73,7 @@ LAYERS = [
     {"engine"},
     {"state", "data"},
     {"comm"},
-    {"saving", "loading", "checkpointer", "api"},
+    {"saving", "loading", "checkpointer", "api", "hf_folder"},
     {"manager"},
     {"tools"},
     {"integrations"},

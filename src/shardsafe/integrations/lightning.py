@@ -271,9 +271,12 @@ class ShardsafeCheckpointIO(CheckpointIO):
         location = os.fspath(path)
         if self._pending_path == os.path.abspath(location):
             self.wait()
-        if os.path.islink(location):
-            os.unlink(location)
-            return
+        backend, where = self.checkpointer.locate(location)
+        parent, name = backend.split(where)
+        with backend.open(parent) as folder:
+            if folder.kind(name) == "other":  # a symlink: unlink it, keep its target
+                folder.remove(name)
+                return
         self.checkpointer.delete(location)
 
     def wait(self) -> None:
