@@ -2,18 +2,25 @@
 
 Each subcommand of ``shardsafe`` (see ``shardsafe --help`` and docs/cli.md) is one
 function here; each returns a report object with ``to_json()`` (and ``to_text()``).
+The names are imported on first use, so that commands which need no tensors (``ls``,
+``--version``) start without importing torch.
 """
 
 from __future__ import annotations
 
-from .common import UsageError, parse_size
-from .diff import DiffReport, compare_tensors, diff_checkpoints
-from .export import ExportReport, export_checkpoint
-from .import_ import ImportReport, import_checkpoint
-from .inspect import Inspection, inspect_checkpoint
-from .listing import StepEntry, list_checkpoints
-from .picture import LayoutBox, layout_boxes, layout_png, layout_text
-from .verify import Problem, VerifyReport, verify_checkpoint
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_WHERE: dict[str, str] = {
+    "UsageError": ".common", "parse_size": ".common",
+    "DiffReport": ".diff", "compare_tensors": ".diff", "diff_checkpoints": ".diff",
+    "ExportReport": ".export", "export_checkpoint": ".export",
+    "ImportReport": ".import_", "import_checkpoint": ".import_",
+    "Inspection": ".inspect", "inspect_checkpoint": ".inspect",
+    "StepEntry": ".listing", "list_checkpoints": ".listing",
+    "LayoutBox": ".picture", "layout_boxes": ".picture", "layout_png": ".picture", "layout_text": ".picture",
+    "Problem": ".verify", "VerifyReport": ".verify", "verify_checkpoint": ".verify",
+}
 
 __all__ = [
     "list_checkpoints",
@@ -37,3 +44,28 @@ __all__ = [
     "UsageError",
     "parse_size",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, importing its module on first use."""
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from .common import UsageError, parse_size
+    from .diff import DiffReport, compare_tensors, diff_checkpoints
+    from .export import ExportReport, export_checkpoint
+    from .import_ import ImportReport, import_checkpoint
+    from .inspect import Inspection, inspect_checkpoint
+    from .listing import StepEntry, list_checkpoints
+    from .picture import LayoutBox, layout_boxes, layout_png, layout_text
+    from .verify import Problem, VerifyReport, verify_checkpoint

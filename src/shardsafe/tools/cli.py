@@ -1,4 +1,5 @@
-"""The ``shardsafe`` command: ls, inspect, verify, diff, export, import.
+"""The ``shardsafe`` command: ls, inspect, verify, diff, export, import (also
+``python -m shardsafe``).
 
 Exit codes: 0 ok; 1 ``verify`` found damage or ``diff`` found differences; 2 a usage
 error or a checkpoint that cannot be used (printed as one ``shardsafe: error: ...`` line;
@@ -28,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--no-progress", action="store_true", help="never draw the progress line on stderr")
     p = argparse.ArgumentParser(
         prog="shardsafe", description="Inspect, check, compare and convert shardsafe checkpoints.", epilog=_EPILOG)
-    p.add_argument("--version", action="version", version=f"shardsafe {__version__}")
+    p.add_argument("--version", action="version", version=f"shardsafe {__version__}",
+                   help="print the version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     s = sub.add_parser("ls", parents=[common], help="list the step checkpoints of a folder",
@@ -42,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
                        description="Show every key with kind (sharded / replicated / rank_local), dtype, global "
                                    "shape, bytes and number of chunks; plain values briefly. With --layout KEY: "
                                    "which saving rank holds which box of that tensor.", epilog=_EPILOG)
-    s.add_argument("checkpoint")
+    s.add_argument("checkpoint", help="the checkpoint folder")
     s.add_argument("--layout", metavar="KEY", help="draw the shard layout of tensor KEY as a character grid")
     s.add_argument("--png", metavar="FILE", help="with --layout: also draw it into the PNG FILE")
     s.add_argument("--width", type=int, default=64, help="grid width in characters (default 64)")
@@ -52,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
                        description="Recompute every block checksum of every chunk and every data file header, "
                                    "in parallel; report missing and truncated files and each bad chunk (file, "
                                    "tensor key, byte range). Exit 0 when all match, 1 otherwise.", epilog=_EPILOG)
-    s.add_argument("checkpoint")
+    s.add_argument("checkpoint", help="the checkpoint folder")
     s.add_argument("--threads", type=int, default=None, help="hashing threads (default: min(8, CPUs))")
 
     s = sub.add_parser("diff", parents=[common], help="compare two checkpoints key by key",
@@ -60,46 +62,81 @@ def _parser() -> argparse.ArgumentParser:
                                    "beyond |a-b| <= atol + rtol*|b| (max abs diff per tensor); plain values too. "
                                    "Reads one tensor of each at a time. Exit 0 when equal, 1 otherwise.",
                        epilog=_EPILOG)
-    s.add_argument("a")
-    s.add_argument("b")
+    s.add_argument("a", help="the first checkpoint folder")
+    s.add_argument("b", help="the second checkpoint folder (the reference for --rtol)")
     s.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: exact)")
     s.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: exact)")
     s.add_argument("--keys", action="append", metavar="PREFIX", help="compare only keys under PREFIX (repeatable)")
     s.add_argument("--no-verify", action="store_true", help="do not verify checksums while reading")
 
-    s = sub.add_parser("export", parents=[common], help="write torch.save, safetensors or Hugging Face files",
+    s = sub.add_parser("export", parents=[common], help="write torch.save, safetensors, Hugging Face or DCP files",
                        description="Export tensors one at a time (memory: about the largest tensor). torch: one "
                                    "torch.save file of the nested state, tensors and plain values, loadable with "
-                                   "torch.load(weights_only=True). safetensors: one file, flat dotted keys. hf: "
-                                   "model-0000i-of-0000n.safetensors shards + model.safetensors.index.json. "
-                                   "Rank-local values are skipped unless --rank R.", epilog=_EPILOG)
-    s.add_argument("checkpoint")
-    s.add_argument("out", help="output file (torch, safetensors) or folder (hf)")
-    s.add_argument("--to", required=True, choices=["torch", "safetensors", "hf"])
+                                   "torch.load(weights_only=True). safetensors: one file, flat dotted keys. hf: a "
+                                   "folder transformers' from_pretrained loads: model-0000i-of-0000n.safetensors "
+                                   "shards, model.safetensors.index.json, config.json, generation_config.json, "
+                                   "tied weights once. dcp: a torch.distributed.checkpoint folder written by DCP. "
+                                   "Rank-local values are skipped unless --rank R. A TrainState saved as 'train' "
+                                   "has its model under train.model: --to hf --strip train.model.", epilog=_EPILOG)
+    s.add_argument("checkpoint", help="the checkpoint folder to export")
+    s.add_argument("out", help="output file (torch, safetensors) or folder (hf, dcp)")
+    s.add_argument("--to", required=True, choices=list(_EXPORT_FORMATS), help="output format: " + "; ".join(
+        f"{k}: {v}" for k, v in _EXPORT_FORMATS.items()))
     s.add_argument("--keys", action="append", metavar="PREFIX", help="export only keys under PREFIX (repeatable)")
-    s.add_argument("--strip", metavar="PREFIX", help="drop PREFIX. from output names (torch: export that subtree)")
+    s.add_argument("--strip", metavar="PREFIX",
+                   help="drop PREFIX. from output names and, without --keys, export only what lies under PREFIX "
+                        "(torch/dcp: that subtree); an error when it selects nothing")
+    s.add_argument("--rename", action="append", metavar="REGEX=REPLACEMENT",
+                   help="rename output names after --strip with re.sub (\\1 for groups), rules applied in order "
+                        "(repeatable); a rule matching no name is an error. safetensors, hf; torch/dcp with --flat")
+    s.add_argument("--config", metavar="PATH",
+                   help="hf: config.json, or a Hugging Face folder (its config.json and generation_config.json); "
+                        "default: the config saved in the checkpoint under a key named hf_config")
+    s.add_argument("--generation-config", metavar="FILE", help="hf: the generation_config.json to write")
+    s.add_argument("--config-key", metavar="KEY",
+                   help="hf: the checkpoint key holding the config (when several keys are named hf_config)")
     s.add_argument("--dtype", choices=["float16", "bfloat16", "float32", "float64"],
                    help="convert float16/bfloat16/float32/float64 tensors; others are kept")
-    s.add_argument("--max-shard-size", default="5GB", help="hf: largest shard, like 5GB, 200MB, 512MiB (default 5GB)")
+    s.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="hf: largest shard, like 5GB, 200MB, 512MiB (default 5GB)")
     s.add_argument("--rank", type=int, metavar="R", help="export saving rank R's copy of rank-local values")
-    s.add_argument("--flat", action="store_true", help="torch: a flat dict of dotted keys instead of the nested tree")
+    s.add_argument("--flat", action="store_true",
+                   help="torch, dcp: a flat dict of dotted keys instead of the nested tree")
     s.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     s.add_argument("--no-verify", action="store_true", help="do not verify checksums while reading")
 
-    s = sub.add_parser("import", parents=[common], help="make a shardsafe checkpoint from torch / safetensors / DCP",
+    s = sub.add_parser("import", parents=[common],
+                       help="make a shardsafe checkpoint from torch.save, safetensors, Hugging Face or DCP",
                        description="Read a torch.save file (torch.load(weights_only=True)), a .safetensors file, a "
-                                   "Hugging Face folder, or a torch.distributed.checkpoint (DCP) folder, and save "
-                                   "it as a shardsafe checkpoint.", epilog=_EPILOG)
-    s.add_argument("src")
+                                   "Hugging Face folder (safetensors shards and index; tied weights it left out are "
+                                   "restored from config.json), or a torch.distributed.checkpoint (DCP) folder, and "
+                                   "save it as a shardsafe checkpoint.", epilog=_EPILOG)
+    s.add_argument("src", help="the file or folder to import (its kind is detected unless --from says it)")
     s.add_argument("out", help="the shardsafe checkpoint folder to create")
-    s.add_argument("--from", dest="source", choices=["torch", "safetensors", "hf", "dcp"],
-                   help="what SRC is (default: detected)")
+    s.add_argument("--from", dest="source", choices=list(_IMPORT_SOURCES), help="what SRC is (default: detected): "
+                   + "; ".join(f"{k}: {v}" for k, v in _IMPORT_SOURCES.items()))
     s.add_argument("--trust-pickle", action="store_true",
                    help="DCP only: allow reading its .metadata, which is a pickle. Loading a pickle runs code "
                         "from the file; only do this for checkpoints you trust.")
-    s.add_argument("--prefix", metavar="NAME", help="store the imported state under the key NAME (e.g. model)")
+    s.add_argument("--prefix", metavar="NAME",
+                   help="store the imported state under the key NAME (e.g. model); hf: the configs are stored "
+                        "beside it as hf_config and hf_generation_config")
     s.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint")
     return p
+
+
+_EXPORT_FORMATS = {
+    "torch": "one torch.save file",
+    "safetensors": "one .safetensors file",
+    "hf": "a Hugging Face model folder",
+    "dcp": "a torch.distributed.checkpoint folder",
+}
+_IMPORT_SOURCES = {
+    "torch": "a torch.save file",
+    "safetensors": "a .safetensors file",
+    "hf": "a Hugging Face folder",
+    "dcp": "a torch.distributed.checkpoint folder (needs --trust-pickle)",
+}
 
 
 def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
@@ -110,22 +147,11 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..api import read_manifest
-    from . import (
-        diff_checkpoints,
-        export_checkpoint,
-        import_checkpoint,
-        inspect_checkpoint,
-        layout_boxes,
-        layout_png,
-        layout_text,
-        list_checkpoints,
-        verify_checkpoint,
-    )
-    from .listing import format_listing
-
+    """Run one parsed command; each imports only what it needs (``ls`` never imports torch)."""
     progress = False if args.no_progress else None
     if args.command == "ls":
+        from .listing import format_listing, list_checkpoints
+
         entries = list_checkpoints(args.folder)
         _emit(args, {"ok": True, "folder": args.folder, "checkpoints": [e.to_json() for e in entries]},
               format_listing(entries, args.folder))
@@ -133,6 +159,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         if args.png and not args.layout:
             raise _Usage("--png needs --layout KEY")
+        from ..api import read_manifest
+        from .inspect import inspect_checkpoint
+        from .picture import layout_boxes, layout_png, layout_text
+
         root, manifest = args.checkpoint, read_manifest(args.checkpoint)
         if args.layout:
             text = layout_text(manifest, args.layout, args.width, args.height)
@@ -146,21 +176,31 @@ def _run(args: argparse.Namespace) -> int:
         _emit(args, {"ok": True, **report.to_json()}, report.to_text())
         return EXIT_OK
     if args.command == "verify":
+        from .verify import verify_checkpoint
+
         vr = verify_checkpoint(args.checkpoint, threads=args.threads, progress=progress)
         _emit(args, vr.to_json(), vr.to_text())
         return EXIT_OK if vr.ok else EXIT_FOUND
     if args.command == "diff":
+        from .diff import diff_checkpoints
+
         dr = diff_checkpoints(args.a, args.b, atol=args.atol, rtol=args.rtol, keys=args.keys,
                               verify=not args.no_verify, progress=progress)
         _emit(args, {"ok": True, **dr.to_json()}, dr.to_text())
         return EXIT_OK if dr.same else EXIT_FOUND
     if args.command == "export":
+        from .export import export_checkpoint
+
         er = export_checkpoint(args.checkpoint, args.out, args.to, keys=args.keys, dtype=args.dtype, rank=args.rank,
-                               max_shard_size=args.max_shard_size, strip=args.strip, flat=args.flat,
-                               overwrite=args.overwrite, verify=not args.no_verify, progress=progress)
+                               max_shard_size=args.max_shard_size, strip=args.strip, rename=args.rename,
+                               config=args.config, generation_config=args.generation_config,
+                               config_key=args.config_key, flat=args.flat, overwrite=args.overwrite,
+                               verify=not args.no_verify, progress=progress)
         _emit(args, {"ok": True, **er.to_json()}, er.to_text())
         return EXIT_OK
     if args.command == "import":
+        from .import_ import import_checkpoint
+
         ir = import_checkpoint(args.src, args.out, source=args.source, trust_pickle=args.trust_pickle,
                                prefix=args.prefix, overwrite=args.overwrite, progress=progress)
         _emit(args, {"ok": True, **ir.to_json()}, ir.to_text())

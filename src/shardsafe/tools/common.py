@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ..checkpoint_folder import TMP_MARK, hidden_name, publish
-from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, MissingKeysError
-from ..storage.base import Folder
+from ..storage.base import Backend, Folder
+
+if TYPE_CHECKING:
+    from ..checkpointer import Checkpointer
 
 PathLike = str | os.PathLike
-
-_UNITS = {
-    "": 1, "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
-    "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
-}
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
 class UsageError(CheckpointError, ValueError):
@@ -29,17 +23,14 @@ class UsageError(CheckpointError, ValueError):
 
 def parse_size(text: str | int) -> int:
     """Bytes from ``"5GB"`` (10**9, as Hugging Face), ``"200MiB"`` (2**20), ``"64M"``
-    (2**20) or a plain number of bytes."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.fullmatch(text)
-    unit = m.group(2).upper() if m else ""
-    if not m or unit not in _UNITS:
-        raise UsageError(f"cannot read size {text!r}: write it like 5GB, 200MB, 512MiB or 1000000")
-    value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise UsageError(f"size {text!r} must be positive")
-    return value
+    (2**20) or a plain number of bytes; UsageError for anything else."""
+    from ..hf_folder import HFFolderError
+    from ..hf_folder import parse_size as parse
+
+    try:
+        return parse(text)
+    except HFFolderError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def human_bytes(n: float) -> str:
@@ -58,14 +49,57 @@ def matches(key: str, prefixes: Iterable[str] | None) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
+def key_prefixes(keys: Iterable[str]) -> list[str]:
+    """Every dotted prefix of every key (``a.b.c`` -> ``a``, ``a.b``, ``a.b.c``), in first-seen order."""
+    out: dict[str, None] = {}
+    for key in keys:
+        parts = key.split(".")
+        for i in range(1, len(parts) + 1):
+            out.setdefault(".".join(parts[:i]))
+    return list(out)
+
+
+def suggest(prefix: str, candidates: Iterable[str], top: Iterable[str]) -> str:
+    """A hint for errors: the ``candidates`` (dotted keys) nearest to ``prefix``, and the
+    top-level keys ``top``."""
+    from ..hints import nearest
+
+    near = nearest(prefix, list(candidates))
+    top = list(top)
+    hint = f"did you mean {', '.join(repr(k) for k in near)}? " if near else ""
+    shown = ", ".join(top[:12]) + (", ..." if len(top) > 12 else "")
+    return f"{hint}top-level keys: {shown or '(none)'} (`shardsafe inspect` lists them all)"
+
+
+def no_match(flag: str, prefix: str, candidates: Iterable[str], top: Iterable[str] | None = None) -> MissingKeysError:
+    """The error for a ``--keys`` / ``--strip`` prefix that selects nothing: it suggests the
+    nearest of ``candidates`` (every dotted key; each key's dotted prefixes when ``top`` is
+    None, which then are the keys' first parts)."""
+    candidates = list(candidates)
+    if top is None:
+        candidates = key_prefixes(candidates)
+        top = [k for k in candidates if "." not in k]
+    return MissingKeysError(f"{flag} {prefix!r} selects nothing in the checkpoint; {suggest(prefix, candidates, top)}")
+
+
 def check_prefixes_used(prefixes: Iterable[str] | None, keys: Iterable[str]) -> None:
-    """Raise MissingKeysError for a prefix that selects none of ``keys``."""
+    """Raise MissingKeysError (with suggestions) for a prefix that selects none of ``keys``."""
     if prefixes is None:
         return
     keys = list(keys)
     for p in prefixes:
         if not any(matches(k, [p]) for k in keys):
-            raise MissingKeysError(f"no key or key prefix {p!r} in the checkpoint (see `shardsafe inspect`)")
+            raise no_match("--keys", p, keys)
+
+
+def locate(path: PathLike, checkpointer: Checkpointer | None = None) -> tuple[Backend, str]:
+    """The backend for ``path`` and the location there: ``checkpointer``'s, or the default
+    backends when None (without importing torch)."""
+    if checkpointer is not None:
+        return checkpointer.locate(path)
+    from ..storage.urls import default_backends, resolve
+
+    return resolve(path, default_backends())
 
 
 class Output:
@@ -76,6 +110,7 @@ class Output:
 
     def __init__(self, checkpointer: Checkpointer, out: PathLike, overwrite: bool, what: str) -> None:
         backend, location = checkpointer.locate(out)
+        self.backend = backend
         parent_location, self.name = backend.split(location)
         self.location = location
         self.parent = backend.open(parent_location, create=True)
@@ -87,6 +122,15 @@ class Output:
     def folder(self) -> Folder:
         """The temporary folder to build a folder output in (created)."""
         return self.parent.open_folder(self.tmp, create=True)
+
+    def local_path(self) -> str:
+        """The file-system path of the temporary entry, for writers that need one (DCP's);
+        UsageError when the output is not on the local file system."""
+        from ..storage.local import LocalBackend
+
+        if not isinstance(self.backend, LocalBackend):
+            raise UsageError(f"{self.location}: this output needs a local path")
+        return self.parent.where(self.tmp)
 
     def publish(self) -> None:
         """Put the finished temporary entry at the output's name."""

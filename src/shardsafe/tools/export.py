@@ -1,33 +1,42 @@
 """``shardsafe export``: write a checkpoint's tensors as one ``torch.save`` file, one
-``.safetensors`` file, or a Hugging Face style folder of safetensors shards with an index.
+``.safetensors`` file, a Hugging Face model folder, or a ``torch.distributed.checkpoint``
+(DCP) folder.
 
 Streaming: every output byte offset is known from the manifest before any data is read,
 so tensors are read one at a time (one open ``CheckpointReader``), converted if asked, written to
 their place and dropped. Peak memory is about the largest tensor (twice that while a
 ``--dtype`` conversion runs) plus a staging buffer, whatever the checkpoint's size.
 
-Selection: ``keys`` prefixes pick parts of the state; sharded and replicated tensors
-are exported whole; rank-local values (one copy per saving rank) are skipped with a
-note unless ``rank`` names the saving rank whose copy to export (under its plain key,
-without the ``#rank<r>`` marker). Formats:
+Selection: ``keys`` prefixes pick parts of the state (``strip`` alone picks the subtree
+it strips); sharded and replicated tensors are exported whole; rank-local values (one copy
+per saving rank) are skipped with a note unless ``rank`` names the saving rank whose copy
+to export (under its plain key, without the ``#rank<r>`` marker). Formats:
 
 - ``torch``: the nested state as ``load_full`` returns it, tensors and plain values
   (``flat=True``: one level of dotted keys); loads with ``torch.load(weights_only=True)``.
 - ``safetensors``: tensors only, flat dotted keys; plain values are skipped (counted).
-- ``hf``: ``model-00001-of-0000N.safetensors`` shards of at most ``max_shard_size``
-  (a larger tensor gets a shard of its own) and ``model.safetensors.index.json`` with
-  ``metadata.total_size`` and ``weight_map``.
+- ``hf``: a folder ``from_pretrained`` loads (see :mod:`shardsafe.hf_folder`): shards of at
+  most ``max_shard_size`` and ``model.safetensors.index.json``, config.json and
+  generation_config.json (from ``config`` or found in the checkpoint), tied weights once.
+- ``dcp``: written by ``torch.distributed.checkpoint.save`` itself (no process group),
+  tensors and plain values with the same nesting as ``torch``; one ``.distcp`` file per
+  tensor, since DCP's writer holds every tensor of a file until the file is closed.
+
+``rename`` renames the flat output names (safetensors, hf, and torch / dcp with ``flat``).
 """
 
 from __future__ import annotations
 
-import json
+import os
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .. import hf_folder
 from ..checkpointer import Checkpointer
 from ..engine.outputs import OutputFile, SafetensorsOutput, Slot, TorchSaveOutput
 from ..errors import CheckpointError
@@ -35,15 +44,15 @@ from ..format.dtypes import torch_dtype
 from ..format.manifest import Manifest
 from ..format.values import decode
 from ..hints import missing_tensor
-from ..state.saved import children, select
+from ..state.saved import children, select, walk
 from ..state.tree import join_key, saved_ref
-from .common import Output, PathLike, UsageError, human_bytes, parse_size
+from .common import Output, PathLike, UsageError, human_bytes, locate, no_match, parse_size
 from .progress import Progress
 
-FORMATS = ("torch", "safetensors", "hf")
+FORMATS = ("torch", "safetensors", "hf", "dcp")
 CONVERTIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-INDEX_NAME = "model.safetensors.index.json"
+INDEX_NAME = hf_folder.INDEX_NAME
 _DROP = object()
 
 
@@ -56,9 +65,11 @@ class ExportReport:
     files: list[str] = field(default_factory=list)
     tensors: int = 0
     bytes: int = 0
-    values: int = 0  # plain values written (torch format)
+    values: int = 0  # plain values written (torch, dcp)
     skipped_values: int = 0  # plain values not written (safetensors / hf hold tensors only)
     skipped_rank_local: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)  # hf: names left out as tied -> the name they are tied to
+    config: str | None = None  # hf: where config.json came from (None: no config.json written)
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -70,6 +81,12 @@ class ExportReport:
         rate = f", {human_bytes(self.bytes / self.seconds)}/s" if self.seconds > 0 else ""
         lines = [f"exported {self.tensors} tensors ({human_bytes(self.bytes)}) to {self.out} as {self.format} "
                  f"in {len(self.files)} file(s), {self.seconds:.2f} s{rate}"]
+        if self.format == "hf":
+            lines.append(f"config.json from {self.config}" if self.config else
+                         "note: no config.json written (from_pretrained needs one): pass --config FILE_OR_HF_FOLDER, "
+                         f"or save the config in the checkpoint under the key {hf_folder.CONFIG_KEY!r}")
+        for name, source in self.tied.items():
+            lines.append(f"note: {name} left out: tied to {source} (from_pretrained ties it again)")
         if self.skipped_values:
             lines.append(f"note: {self.skipped_values} non-tensor values skipped ({self.format} holds tensors only;"
                          " use --to torch to keep them)")
@@ -105,6 +122,11 @@ def expand_rank_local(tree: Any, manifest: Manifest, rank: int | None, skipped: 
         return {"$dict": [[encode_dict_key(k, join_key(list(parts))), v] for k, v in pairs]}
     values = [None if v is _DROP else v for _, v in kept]
     return values if kind is list else {"$tuple": values}
+
+
+def tree_keys(tree: Any) -> list[str]:
+    """The dotted key of every node of a saved tree (containers and leaves), root left out."""
+    return [join_key(list(parts)) for parts, _, _ in walk(tree) if parts]
 
 
 @dataclass
@@ -149,7 +171,7 @@ def _strip(name: str, prefix: str | None) -> str:
 
 
 def _descend(skeleton: Any, prefix: str | None) -> Any:
-    """The part of a nested skeleton under the dotted ``prefix`` (``strip`` with --to torch)."""
+    """The part of a nested skeleton under the dotted ``prefix`` (``strip`` with nested output)."""
     if not prefix:
         return skeleton
     node = skeleton
@@ -178,18 +200,7 @@ def _renamed(skeleton: Any, by_key: dict[str, Slot]) -> Any:
     return skeleton
 
 
-def plan_shards(slots: list[Slot], max_bytes: int) -> list[list[Slot]]:
-    """Consecutive groups of slots of at most ``max_bytes`` each (a larger slot alone)."""
-    shards: list[list[Slot]] = []
-    size = 0
-    for s in slots:
-        if shards and shards[-1] and size + s.nbytes <= max_bytes:
-            shards[-1].append(s)
-            size += s.nbytes
-        else:
-            shards.append([s])
-            size = s.nbytes
-    return shards
+plan_shards = hf_folder.plan_shards
 
 
 def export_checkpoint(
@@ -202,6 +213,10 @@ def export_checkpoint(
     rank: int | None = None,
     max_shard_size: str | int = "5GB",
     strip: str | None = None,
+    rename: hf_folder.Rename | None = None,
+    config: Any = None,
+    generation_config: Any = None,
+    config_key: str | None = None,
     flat: bool = False,
     overwrite: bool = False,
     verify: bool = True,
@@ -209,14 +224,23 @@ def export_checkpoint(
     checkpointer: Checkpointer | None = None,
 ) -> ExportReport:
     """Export the checkpoint at ``path`` to ``out`` in format ``to`` (torch, safetensors,
-    hf); see the module docstring. ``dtype`` converts float16/bfloat16/float32/float64
-    tensors (others are kept as they are); ``strip`` removes a leading dotted prefix from
-    the output names (with ``torch``: exports the subtree under it); a prefix that no
-    exported name starts with is an error. The checkpoint is opened once and its tensors
-    read one at a time."""
+    hf, dcp); see the module docstring. ``keys`` selects dotted prefixes; ``dtype``
+    converts float16/bfloat16/float32/float64 tensors (others are kept as they are);
+    ``strip`` removes a leading dotted prefix from the output names and, without ``keys``,
+    exports only what lies under it (nested outputs: that subtree); ``rename`` renames
+    the flat names after that (``shardsafe.hf_folder.rename_names``). A ``keys`` or
+    ``strip`` prefix that selects nothing is an error that suggests keys. ``hf`` only:
+    ``config`` / ``generation_config`` (paths of config.json or a Hugging Face folder,
+    dicts or transformers configs; default: the checkpoint's ``hf_config`` value, or the
+    one at ``config_key``). The checkpoint is opened once and its tensors read one at a
+    time; the output appears atomically."""
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise UsageError(f"unknown export format {to!r}: choose one of {', '.join(FORMATS)}")
+    if to != "hf" and (config is not None or generation_config is not None or config_key is not None):
+        raise UsageError("--config, --generation-config and --config-key are for --to hf")
+    if rename is not None and (to in ("torch", "dcp") and not flat):
+        raise UsageError(f"--rename renames flat names: add --flat to rename the keys of a {to} export")
     if isinstance(dtype, str):
         if dtype.removeprefix("torch.") not in DTYPES:
             raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -225,99 +249,220 @@ def export_checkpoint(
     cp = checkpointer if checkpointer is not None else Checkpointer()
     try:
         with cp.open_reader(path, verify=verify) as reader:
-            return _export(reader, path, out, to, keys, dtype, rank, max_bytes, strip, flat, overwrite, progress,
-                           cp, t0)
+            job = _Job(reader, cp, path, out, to, progress, overwrite)
+            return job.run(keys, dtype, rank, max_bytes, strip, rename, flat, config, generation_config, config_key,
+                           t0)
     finally:
         if checkpointer is None:
             cp.close()
 
 
-def _export(reader: Any, path: PathLike, out: PathLike, to: str, keys: list[str] | None, dtype: torch.dtype | None,
-            rank: int | None, max_bytes: int, strip: str | None, flat: bool, overwrite: bool,
-            progress: bool | None, cp: Checkpointer, t0: float) -> ExportReport:
-    manifest = reader.manifest
-    skipped: list[str] = []
-    tree = expand_rank_local(manifest.tree, manifest, rank, skipped)
-    if tree is _DROP:
-        tree = {}
-    wanted = [k for k in keys or [] if not any(s == k or s.startswith(k + ".") or k.startswith(s + ".")
-                                               for s in skipped)]
-    if keys:
+@dataclass
+class _Job:
+    """One export: the open reader and where the output goes."""
+
+    reader: Any
+    cp: Checkpointer
+    path: PathLike
+    out: PathLike
+    to: str
+    progress: bool | None
+    overwrite: bool
+
+    def run(self, keys: list[str] | None, dtype: torch.dtype | None, rank: int | None, max_bytes: int,
+            strip: str | None, rename: hf_folder.Rename | None, flat: bool, config: Any, generation_config: Any,
+            config_key: str | None, t0: float) -> ExportReport:
+        manifest = self.reader.manifest
+        skipped: list[str] = []
+        tree = expand_rank_local(manifest.tree, manifest, rank, skipped)
+        if tree is _DROP:
+            tree = {}
+        all_keys = tree_keys(tree)
+        top = [str(k) for k, _ in (children(tree) or (dict, []))[1]]
+        if keys is None and strip:
+            keys = [strip]  # --strip alone: export what it strips
+        wanted = [k for k in keys or [] if not any(s == k or s.startswith(k + ".") or k.startswith(s + ".")
+                                                   for s in skipped)]
+        for k in keys or []:
+            if k in wanted and not any(n == k or n.startswith(k + ".") for n in all_keys):
+                raise no_match("--keys" if k != strip else "--strip", k, all_keys, top)
+        if keys:
+            try:
+                tree = select(tree, wanted) if wanted else {}
+            except CheckpointError as exc:
+                raise UsageError(f"--keys: {exc} at {self.path} (see `shardsafe inspect`)") from None
+        built = _Built()
+        built.skeleton = _build(tree, [], manifest, dtype, built)
+        report = ExportReport(str(self.out), self.to)
+        report.skipped_rank_local = [k for k in skipped if keys is None or any(
+            k == p or k.startswith(p + ".") or p.startswith(k + ".") for p in keys)]
+        nested = self.to in ("torch", "dcp") and not flat
+        if not built.slots and not nested:
+            raise UsageError(f"nothing to export from {self.path}: no tensors selected")
+        exported = [s.name for s in built.slots] + ([k for k, _ in built.values] if self.to in ("torch", "dcp") else [])
+        if strip and not any(n.startswith(strip + ".") for n in exported):
+            raise no_match("--strip", strip, all_keys, top)
+        stripped = [_strip(s.name, strip) for s in built.slots]
+        names = stripped if nested else hf_folder.rename_names(stripped, rename)  # flat names must differ
+        slots = [Slot(s.key, n, s.dtype, s.shape) for s, n in zip(built.slots, names)]
+        if nested:
+            skeleton = _descend(_renamed(built.skeleton, {s.key: s for s in slots}), strip)
+        else:
+            skeleton = {_strip(k, strip): v for k, v in built.values} if self.to in ("torch", "dcp") else {}
+            skeleton.update({s.name: s for s in slots})
+        if self.to in ("torch", "dcp"):
+            report.values = len(built.values)
+        else:
+            report.skipped_values = len(built.values)
+        cfg = gen = None
+        if self.to == "hf":
+            cfg, gen, report.config = self._configs(config, generation_config, config_key)
+            report.tied = hf_folder.tied_targets(cfg, [s.name for s in slots])
+            slots = [s for s in slots if s.name not in report.tied]
+        self._write(skeleton, slots, max_bytes, cfg, gen, report)
+        report.tensors = len(slots)
+        report.bytes = sum(s.nbytes for s in slots)
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _configs(self, config: Any, generation_config: Any, config_key: str | None
+                 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str | None]:
+        """(config, generation config, where the config came from) for an hf export."""
+        cfg, gen = hf_folder.resolve_configs(config, generation_config, lambda p: locate(p, self.cp))
+        where = None
+        if config is not None:
+            where = str(config) if isinstance(config, (str, os.PathLike)) else "the config given"
+        if cfg is None:
+            key, cfg = self._stored_config(config_key)
+            if key is not None:
+                where = f"the checkpoint's {key!r}"
+                parent = key.rpartition(".")[0]
+                if gen is None:
+                    gen = self._stored_value(f"{parent}.{hf_folder.GENERATION_CONFIG_KEY}" if parent
+                                             else hf_folder.GENERATION_CONFIG_KEY)
+        return cfg, gen, where
+
+    def _stored_config(self, config_key: str | None) -> tuple[str | None, dict[str, Any] | None]:
+        """(key, value) of the config saved in the checkpoint: at ``config_key``, else the one
+        key named ``hf_config``; (None, None) when there is none."""
+        if config_key is not None:
+            value = self._stored_value(config_key)
+            if value is None:
+                tree = self.reader.manifest.tree
+                raise no_match("--config-key", config_key, tree_keys(tree),
+                               [str(k) for k, _ in (children(tree) or (dict, []))[1]])
+            return config_key, value
+        found = [join_key(list(parts)) for parts, _, is_container in walk(self.reader.manifest.tree)
+                 if parts and parts[-1] == hf_folder.CONFIG_KEY and is_container]
+        if len(found) > 1:
+            raise UsageError(f"the checkpoint holds several configs ({', '.join(found)}): choose one with --config-key")
+        return (found[0], self._stored_value(found[0])) if found else (None, None)
+
+    def _stored_value(self, key: str) -> dict[str, Any] | None:
+        """The plain JSON object saved at ``key`` (None when there is none)."""
+        for parts, node, _ in walk(self.reader.manifest.tree):
+            if join_key(list(parts)) == key:
+                try:
+                    value = decode(node)
+                except CheckpointError as exc:
+                    raise UsageError(f"{key!r} is not a plain JSON config: {exc}") from None
+                if not isinstance(value, dict):
+                    raise UsageError(f"{key!r} holds a {type(value).__name__}, not a config dict")
+                return hf_folder.config_dict(value)
+        return None
+
+    def _write(self, skeleton: Any, slots: list[Slot], max_bytes: int, cfg: dict[str, Any] | None,
+               gen: dict[str, Any] | None, report: ExportReport) -> None:
+        """Write the output under a temporary name and publish it."""
+        target = Output(self.cp, self.out, self.overwrite, "output path")
         try:
-            tree = select(tree, wanted) if wanted else {}
-        except CheckpointError as exc:
-            raise UsageError(f"--keys: {exc} at {path} (see `shardsafe inspect`)") from None
-    built = _Built()
-    built.skeleton = _build(tree, [], manifest, dtype, built)
-    report = ExportReport(str(out), to)
-    report.skipped_rank_local = [k for k in skipped if keys is None or any(
-        k == p or k.startswith(p + ".") or p.startswith(k + ".") for p in keys)]
-    if not built.slots and to != "torch":
-        raise UsageError(f"nothing to export from {path}: no tensors selected")
-    slots = [Slot(s.key, _strip(s.name, strip), s.dtype, s.shape) for s in built.slots]
-    if strip and to != "torch" and not any(s.name.startswith(strip + ".") for s in built.slots):
-        raise UsageError(f"--strip {strip!r} matches no exported name (names start like "
-                         f"{built.slots[0].name!r}; see `shardsafe inspect`)")
-    if to != "torch" or flat:
-        seen: set[str] = set()
-        dup = next((s.name for s in slots if s.name in seen or seen.add(s.name)), None)
-        if dup is not None:
-            raise UsageError(f"two tensors would be exported as {dup!r}; choose --keys/--strip so names differ")
-    if to != "torch":
-        report.skipped_values = len(built.values)
-    target = Output(cp, out, overwrite, "output path")
-    try:
-        total = sum(s.nbytes for s in slots)
-        with Progress("export", total, enabled=progress) as bar:
-            if to == "torch":
-                by_key = {s.key: s for s in slots}
-                if flat:
-                    skeleton: Any = {_strip(k, strip): v for k, v in built.values}
-                    skeleton.update({s.name: s for s in slots})
+            with Progress("export", sum(s.nbytes for s in slots), enabled=self.progress) as bar:
+                fetch = self._fetcher(bar)
+                if self.to == "torch":
+                    _write_file(lambda: TorchSaveOutput(target.parent, target.tmp, skeleton), slots, fetch)
+                    report.files = [target.name]
+                elif self.to == "safetensors":
+                    _write_file(lambda: SafetensorsOutput(target.parent, target.tmp, slots), slots, fetch)
+                    report.files = [target.name]
+                elif self.to == "hf":
+                    with target.folder() as folder:
+                        report.files = hf_folder.write_weights_and_configs(
+                            folder, slots, fetch, max_shard_size=max_bytes, config=cfg, generation_config=gen)
                 else:
-                    skeleton = _descend(_renamed(built.skeleton, by_key), strip)
-                report.values = len(built.values)
-                _write_file(lambda: TorchSaveOutput(target.parent, target.tmp, skeleton), slots, reader, bar)
-                report.files = [target.name]
-            elif to == "safetensors":
-                _write_file(lambda: SafetensorsOutput(target.parent, target.tmp, slots), slots, reader, bar)
-                report.files = [target.name]
-            else:
-                with target.folder() as folder:
-                    shards = plan_shards(slots, max_bytes)
-                    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-                    for name, shard in zip(names, shards):
-                        _write_file(lambda n=name, sh=shard: SafetensorsOutput(folder, n, sh), shard, reader, bar)
-                    weight_map = {s.name: name for name, shard in zip(names, shards) for s in shard}
-                    index = {"metadata": {"total_size": sum(s.nbytes for s in slots)},
-                             "weight_map": dict(sorted(weight_map.items()))}
-                    folder.write_bytes(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
-                    folder.sync()
-                    report.files = [*names, INDEX_NAME]
-        target.publish()
-    except BaseException:
-        target.abort()
-        raise
-    finally:
-        target.close()
-    report.tensors = len(slots)
-    report.bytes = sum(s.nbytes for s in slots)
-    report.seconds = time.perf_counter() - t0
-    return report
+                    report.files = _write_dcp(target, skeleton, fetch)
+            target.publish()
+        except BaseException:
+            target.abort()
+            raise
+        finally:
+            target.close()
 
+    def _fetcher(self, bar: Progress) -> Callable[[Slot], torch.Tensor]:
+        """A function reading one slot's tensor (converted to its dtype) and counting it."""
 
-def _write_file(open_output: Any, slots: list[Slot], reader: Any, bar: Progress) -> None:
-    """Open one output file, read each slot's tensor (converted if asked) and write it."""
-    out: OutputFile = open_output()
-    try:
-        for s in slots:
-            t = reader.read(s.key)
+        def fetch(s: Slot) -> torch.Tensor:
+            t = self.reader.read(s.key)
             if t.dtype != s.dtype:
                 t = t.to(s.dtype)
+            bar.advance(s.nbytes)
+            return t
+
+        return fetch
+
+
+def _write_file(open_output: Callable[[], OutputFile], slots: list[Slot],
+                fetch: Callable[[Slot], torch.Tensor]) -> None:
+    """Open one output file, read each slot's tensor (converted if asked) and write it."""
+    out = open_output()
+    try:
+        for s in slots:
+            t = fetch(s)
             out.write(s, t)
             del t
-            bar.advance(s.nbytes)
         out.close()
     except BaseException:
         out.abort()
         raise
+
+
+def _write_dcp(target: Output, skeleton: Any, fetch: Callable[[Slot], torch.Tensor]) -> list[str]:
+    """Write ``skeleton`` (Slots for tensors) as a DCP folder at the output's temporary
+    path with ``torch.distributed.checkpoint.save`` (no process group): DCP plans from
+    meta-tensor stand-ins and each tensor is read when DCP writes it."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    if not isinstance(skeleton, dict):
+        raise UsageError("--to dcp needs a dict at the top of the exported state (choose --strip accordingly)")
+    slots: dict[int, Slot] = {}
+
+    def stand_in(node: Any) -> Any:
+        if isinstance(node, Slot):
+            t = torch.empty(node.shape, dtype=node.dtype, device="meta")
+            slots[id(t)] = node
+            return t
+        if isinstance(node, dict):
+            return {k: stand_in(v) for k, v in node.items()}
+        if isinstance(node, tuple) and any(isinstance(v, (Slot, dict, list, tuple)) for v in node):
+            return [stand_in(v) for v in node]  # DCP pickles tuples whole: walk it as a list
+        if isinstance(node, (list, tuple)):
+            return type(node)(stand_in(v) for v in node)
+        return node
+
+    class _Planner(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            obj = self.lookup_object(write_item.index)
+            slot = slots.get(id(obj))
+            return super().resolve_data(write_item) if slot is None else fetch(slot)
+
+    state = stand_in(skeleton)
+    with target.folder():
+        pass  # created here, filled by DCP's writer
+    writer = FileSystemWriter(target.local_path(), single_file_per_rank=False, sync_files=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: saving on this rank alone"
+        dcp_save(state, storage_writer=writer, planner=_Planner(), no_dist=True)
+    with target.folder() as folder:
+        folder.sync()
+        return sorted(folder.names())

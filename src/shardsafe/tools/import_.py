@@ -6,6 +6,12 @@ safetensors file, a Hugging Face folder (safetensors shards, with or without ind
   the file is in the zip format), so no code in them runs.
 - safetensors files are parsed here (JSON header) and memory-mapped; nothing is copied
   before shardsafe writes it. Keys stay flat (``prefix`` nests them under one key).
+- Hugging Face folders: the files the index names (else every ``*.safetensors`` file). With
+  a config.json whose model ties its word embeddings, the tied weights the folder leaves out
+  (GPT-2's ``lm_head.weight``) are restored as copies of their source, so the checkpoint
+  matches the model's ``state_dict()``; with ``prefix``, config.json and
+  generation_config.json are stored beside it (keys ``hf_config``, ``hf_generation_config``)
+  so that ``shardsafe export --to hf`` writes them back.
 - DCP stores its ``.metadata`` as a pickle: reading it runs code from the file, so it is
   refused unless ``trust_pickle`` is given. The tensors are then read with DCP itself,
   without a process group (``_load_state_dict(..., no_dist=True)`` with
@@ -19,12 +25,13 @@ import json
 import struct
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import hf_folder
 from ..api import save
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.dtypes import TORCH_TO_CODE, itemsize
@@ -49,15 +56,21 @@ class ImportReport:
     tensors: int
     bytes: int
     seconds: float
+    tied: dict[str, str] = field(default_factory=dict)  # hf: tied weights restored -> their source
+    config_keys: list[str] = field(default_factory=list)  # hf: keys the configs were stored under
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return dict(self.__dict__)
 
     def to_text(self) -> str:
-        """A one-line summary."""
-        return (f"imported {self.tensors} tensors ({human_bytes(self.bytes)}) from {self.source} {self.src} "
-                f"into {self.out} in {self.seconds:.2f} s")
+        """A summary, and what was added for Hugging Face sources."""
+        lines = [f"imported {self.tensors} tensors ({human_bytes(self.bytes)}) from {self.source} {self.src} "
+                 f"into {self.out} in {self.seconds:.2f} s"]
+        lines += [f"note: {t} restored as a copy of {s} (tied weights)" for t, s in self.tied.items()]
+        if self.config_keys:
+            lines.append(f"note: config stored under {', '.join(self.config_keys)} (export --to hf writes it back)")
+        return "\n".join(lines)
 
 
 def _entry(src: Path) -> tuple[Folder, str]:
@@ -162,6 +175,17 @@ def load_safetensors(src: Path, into: dict[str, torch.Tensor] | None = None,
     return out
 
 
+def load_hf_configs(src: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(config.json, generation_config.json) of a Hugging Face folder, None where absent."""
+    from ..storage.local import LocalBackend
+
+    backend = LocalBackend()
+    with backend.open(str(src)) as folder:
+        if folder.kind(hf_folder.CONFIG_NAME) != "file":
+            return None, None
+    return hf_folder.read_config(backend, str(src))
+
+
 def load_hf(src: Path) -> dict[str, torch.Tensor]:
     """The tensors of a Hugging Face folder: the files its index names, else every *.safetensors file."""
     parent, name = _entry(src)
@@ -241,7 +265,9 @@ def import_checkpoint(src: PathLike, out: PathLike, *, source: str | None = None
                       progress: bool | None = None) -> ImportReport:
     """Read ``src`` (kind ``source``, detected when None) and save it with
     ``shardsafe.save`` at ``out``. ``prefix`` nests the imported state under that key
-    (for example ``model``, to load it with ``shardsafe.load({"model": ...})``)."""
+    (for example ``model``, to load it with ``shardsafe.load({"model": ...})``). A Hugging
+    Face folder's left-out tied weights are restored, and with ``prefix`` its configs are
+    stored beside the state (see the module docstring)."""
     t0 = time.perf_counter()
     src = Path(src)
     parent, name = _entry(src)
@@ -256,6 +282,8 @@ def import_checkpoint(src: PathLike, out: PathLike, *, source: str | None = None
         raise UsageError(f"refusing to import {src}: {PICKLE_WHY}")
     if not overwrite and _committed(out):
         raise UsageError(f"a checkpoint already exists at {out}; pass --overwrite to replace it")
+    tied: dict[str, str] = {}
+    config_keys: list[str] = []
     with Progress(f"import: reading {kind} {src.name}", None, enabled=progress) as bar:
         bar.status(f"import: reading {kind} {src.name} ...")
         if kind == "torch":
@@ -266,14 +294,22 @@ def import_checkpoint(src: PathLike, out: PathLike, *, source: str | None = None
             if src_kind != "dir":
                 raise UsageError(f"{src}: --from hf needs a folder")
             state = load_hf(src)
+            config, generation = load_hf_configs(src)
+            tied = hf_folder.missing_ties(config, state)
+            for target, source in tied.items():
+                state[target] = state[source]
         else:
             state = load_dcp(src, trust_pickle)
         if prefix:
             state = {prefix: state}
+            if kind == "hf" and config is not None:
+                extra = {hf_folder.CONFIG_KEY: config, hf_folder.GENERATION_CONFIG_KEY: generation}
+                config_keys = [k for k, v in extra.items() if v is not None and k != prefix]
+                state.update({k: extra[k] for k in config_keys})
         if not isinstance(state, dict):
             raise UsageError(f"{src} holds a {type(state).__name__}, not a dict; pass --prefix NAME to store it "
                              "under a key")
         tensors, nbytes = _count(state)
         bar.status(f"import: saving {tensors} tensors ({human_bytes(nbytes)}) to {Path(out).name} ...")
         save(state, out, overwrite=overwrite)
-    return ImportReport(str(src), kind, str(out), tensors, nbytes, time.perf_counter() - t0)
+    return ImportReport(str(src), kind, str(out), tensors, nbytes, time.perf_counter() - t0, tied, config_keys)

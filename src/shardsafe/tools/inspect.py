@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..format.dtypes import itemsize, torch_dtype
+from ..format.dtypes import name_itemsize
 from ..format.manifest import Manifest, TensorEntry
 from .common import PathLike, human_bytes
 from .entries import Leaf, brief, leaves
@@ -15,11 +15,10 @@ from .entries import Leaf, brief, leaves
 
 def tensor_bytes(entry: TensorEntry) -> int:
     """Bytes of the whole tensor (from its dtype and global shape)."""
-    dtype = torch_dtype(entry.dtype)
     n = 1
     for s in entry.shape:
         n *= s
-    return n * (itemsize(dtype) if dtype is not None else 0)
+    return n * (name_itemsize(entry.dtype) or 0)
 
 
 @dataclass

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from ..checkpoint_folder import MAX_MANIFEST_BYTES, OLD_MARK, TMP_MARK
-from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..steps import parse_leftover_step, parse_step
 from ..storage.base import Folder
-from .common import PathLike, human_bytes
+from .common import PathLike, human_bytes, locate
+
+if TYPE_CHECKING:
+    from ..checkpointer import Checkpointer
 
 
 @dataclass
@@ -85,15 +88,11 @@ def check_step(folder: Folder) -> tuple[Manifest | None, str | None]:
 def list_checkpoints(folder: PathLike, checkpointer: Checkpointer | None = None) -> list[StepEntry]:
     """The step checkpoints (``step-<N>`` folders) and leftover temporary folders in
     ``folder``, by step. ``folder`` may also be a single checkpoint folder."""
-    cp = checkpointer if checkpointer is not None else Checkpointer()
     try:
-        backend, location = cp.locate(folder)
+        backend, location = locate(folder, checkpointer)
         root = backend.open(location)
     except CheckpointNotFoundError:
         raise CheckpointNotFoundError(f"no folder at {folder}") from None
-    finally:
-        if checkpointer is None:
-            cp.close()
     out: list[StepEntry] = []
     with root:
         if root.kind(MANIFEST_NAME) is not None:
