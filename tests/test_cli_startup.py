@@ -60,10 +60,6 @@ def test_every_public_name_resolves():
         shardsafe.no_such_name  # noqa: B018
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "format/manifest.py (_parse_tensors / _head_itemsize) still maps each dtype name through "
-    "dtypes.torch_dtype + dtypes.itemsize, which imports torch; switching it to the torch-free "
-    "dtypes.name_itemsize makes ls torch-free (about 0.35 s): then remove this marker"))
 def test_ls_imports_no_torch(tmp_path):
     with shardsafe.CheckpointManager(tmp_path) as mgr:
         mgr.save(5, {"model": {"w": torch.ones(3)}})

@@ -137,7 +137,7 @@ def test_local_backend_refuses_symlinks_and_fifos(tmp_path):
     (tmp_path / "m.json").write_bytes(manifest.read_bytes())
     manifest.unlink()
     manifest.symlink_to(tmp_path / "m.json")
-    with pytest.raises(shardsafe.CorruptCheckpointError, match="not a regular file"):
+    with pytest.raises(shardsafe.CorruptCheckpointError, match="manifest.json is a symlink"):
         shardsafe.read_manifest(path)
 
 

@@ -270,22 +270,24 @@ def parked_hint(backend: Backend, location: str) -> str:
             "the next save or CheckpointManager restores it)")
 
 
-def open_committed(backend: Backend, location: str) -> tuple[Folder, bytes]:
+def open_committed(backend: Backend, location: str, attempts: int = 3) -> tuple[Folder, bytes]:
     """The folder of the committed checkpoint at ``location`` (held open, so later reads
-    see this checkpoint even if another is renamed into its place) and its manifest bytes."""
-    try:
-        folder = backend.open(location)
-    except CheckpointNotFoundError:
-        raise CheckpointNotFoundError(f"no checkpoint at {location}{parked_hint(backend, location)}") from None
-    try:
-        kind = folder.kind(MANIFEST_NAME)
-        if kind is None:
-            raise CheckpointNotFoundError(
-                f"no checkpoint at {location} (no {MANIFEST_NAME}){parked_hint(backend, location)}")
-        if kind != "file":
-            raise CorruptCheckpointError(f"{folder.where(MANIFEST_NAME)} is not a regular file")
-        data = folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-    except BaseException:
-        folder.close()
-        raise
-    return folder, data
+    see this checkpoint even if another is renamed into its place) and its manifest bytes.
+    A folder that loses its manifest between being opened and read (an overwrite swapped
+    it out and is deleting it) is opened again from ``location``."""
+    for attempt in range(attempts):
+        try:
+            folder = backend.open(location)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint at {location}{parked_hint(backend, location)}") from None
+        try:
+            return folder, folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        except CheckpointNotFoundError:
+            folder.close()
+            if attempt == attempts - 1:
+                raise CheckpointNotFoundError(
+                    f"no checkpoint at {location} (no {MANIFEST_NAME}){parked_hint(backend, location)}") from None
+        except BaseException:
+            folder.close()
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -274,7 +274,12 @@ class Checkpointer:
                 files.close()
             if opened is not None:
                 opened.close()
-        apply_phase(result)
+        error = None
+        try:
+            apply_phase(result)
+        except Exception as exc:  # noqa: BLE001 - every rank raises the same error
+            error = exc
+        comm.agree(error)
         return LoadInfo(location, verified if verify else copied, len({f.key for f in result.fills}),
                         time.perf_counter() - t0, copied)
 

@@ -129,11 +129,20 @@ def land_phase(reader: Reader, plan: ReadPlan, fills: list[Fill], max_buffer: in
 
 
 def apply_phase(result: MatchResult) -> None:
-    """Put new values in place and hand Statefuls their filled trees."""
+    """Put new values in place and hand Statefuls their filled trees. A Stateful whose
+    ``load_state_dict`` raises gets its error wrapped in a CheckpointError naming its key
+    (``__cause__`` is the original); its tensors have landed by then (see state/fit.py for
+    what is checked before the first byte lands)."""
     for assign in result.assigns:
         assign()
-    for obj, get in result.statefuls:
-        obj.load_state_dict(get())
+    for obj, get, path in result.statefuls:
+        try:
+            obj.load_state_dict(get())
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a user's Stateful may raise anything
+            raise CheckpointError(f"key '{path}': {type(obj).__name__}.load_state_dict failed: "
+                                  f"{type(exc).__name__}: {exc}") from exc
 
 
 class CheckpointReader:

@@ -315,6 +315,12 @@ class ElasticSampler(Sampler[int]):
         (missing or unexpected keys, wrong types, a consumed count that is not a position
         between global batches of the epoch).
         """
+        self._seed, self._epoch, self._consumed = self.validate_state_dict(state_dict)
+
+    def validate_state_dict(self, state_dict: dict[str, Any]) -> tuple[int, int, int]:
+        """(seed, epoch, consumed) of ``state_dict`` when :meth:`load_state_dict` would take
+        it; else the ``ValueError`` it would raise. Changes nothing (``shardsafe.load``
+        calls it before any byte of a load lands)."""
         if not isinstance(state_dict, dict):
             raise ValueError(f"ElasticSampler state must be a dict, got {type(state_dict).__qualname__}")
         missing = [k for k in _STATE_KEYS if k not in state_dict]
@@ -355,9 +361,7 @@ class ElasticSampler(Sampler[int]):
                 f"malformed ElasticSampler state: consumed={consumed} is not a multiple of the global batch size "
                 f"{saved_g} nor the epoch's end ({end} samples)"
             )
-        self._seed = seed
-        self._epoch = epoch
-        self._consumed = consumed
+        return seed, epoch, consumed
 
     def __repr__(self) -> str:
         return (

@@ -542,7 +542,7 @@ def _parse_tensors(tensors_json: Any, chunks_json: Any, files: list[FileEntry], 
     """Tensor entries over a validated chunk table (the rules are in docs/format.md), and
     the number of object members in ``tensors_json`` (its own, its entries', their
     layouts'): fewer than its raw text holds means a duplicate key (see _parse_json)."""
-    from .dtypes import itemsize, torch_dtype
+    from .dtypes import name_itemsize
 
     if not isinstance(tensors_json, dict):
         raise CorruptCheckpointError("inconsistent manifest: tensors is not an object")
@@ -571,7 +571,7 @@ def _parse_tensors(tensors_json: Any, chunks_json: Any, files: list[FileEntry], 
         except TypeError:  # unhashable: not a str dtype or int dims, refused just below
             size = None
         if size is None:  # the first entry of its dtype and shape: validate them
-            size = known[(dtype, shape_t)] = _head_itemsize(key, dtype, shape, torch_dtype, itemsize)
+            size = known[(dtype, shape_t)] = _head_itemsize(key, dtype, shape, name_itemsize)
         dims.extend(shape)  # a hit is equal to a validated shape: only the dims' types are left to check
         if not (type(span) is list and len(span) == 2 and type(span[0]) is int and type(span[1]) is int
                 and span[0] == first and first < _LIMIT and 1 <= span[1] < _LIMIT):
@@ -585,7 +585,7 @@ def _parse_tensors(tensors_json: Any, chunks_json: Any, files: list[FileEntry], 
         heads.append((dtype, shape_t, kind, layout))
     if not set(map(type, dims)) <= {int}:  # 1.0 and True equal 1: find the entry that holds one
         key, t = next((k, t) for k, t in tensors_json.items() if any(type(d) is not int for d in t["shape"]))
-        _head_itemsize(key, t["dtype"], t["shape"], torch_dtype, itemsize)
+        _head_itemsize(key, t["dtype"], t["shape"], name_itemsize)
     rows = chunks_json.get("f") if isinstance(chunks_json, dict) else None
     if not (isinstance(rows, list) and len(rows) == firsts[-1]):
         # Checked before anything is sized by the tensors' counts (a tiny manifest must
@@ -610,14 +610,12 @@ def _parse_tensors(tensors_json: Any, chunks_json: Any, files: list[FileEntry], 
         members
 
 
-def _head_itemsize(key: str, dtype: Any, shape: Any, torch_dtype: Callable[[str], Any],
-                   itemsize: Callable[[Any], int]) -> int:
+def _head_itemsize(key: str, dtype: Any, shape: Any, name_itemsize: Callable[[str], int | None]) -> int:
     """The itemsize of a tensor entry's dtype (0 when unknown) once its dtype and shape are
     valid (a str; non-negative int dims with a total size below 2^62)."""
     if not (isinstance(dtype, str) and isinstance(shape, list) and all(_count(s) and s < _LIMIT for s in shape)):
         raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad dtype {dtype!r} or shape {shape!r}")
-    dt = torch_dtype(dtype)
-    size = itemsize(dt) if dt is not None else 0
+    size = name_itemsize(dtype) or 0
     if prod(shape) * max(size, 1) >= _LIMIT:
         raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': shape {shape!r} is too large")
     return size

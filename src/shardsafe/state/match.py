@@ -34,6 +34,7 @@ from ..format.dtypes import torch_dtype
 from ..format.manifest import Manifest
 from ..format.values import decode
 from ..layout import Box
+from .fit import fit_problems
 from .sharding import dtensor_pieces, is_dtensor, local_of
 from .tree import RankLocal, is_stateful, join_key, saved_items, saved_ref, saved_sequence
 
@@ -71,7 +72,7 @@ class MatchResult:
 
     fills: list[Fill] = field(default_factory=list)
     assigns: list[Callable[[], None]] = field(default_factory=list)
-    statefuls: list[tuple[Any, Callable[[], Any]]] = field(default_factory=list)
+    statefuls: list[tuple[Any, Callable[[], Any], str]] = field(default_factory=list)  # (obj, its tree, key)
     errors: list[CheckpointError] = field(default_factory=list)
 
     def raise_errors(self) -> None:
@@ -192,7 +193,11 @@ class Matcher:
         if is_stateful(dest):
             sub = dest.state_dict()
             holder = [self.match(sub, saved, parts, private=True)]
-            self.result.statefuls.append((dest, lambda: holder[0]))
+            self.result.errors.extend(fit_problems(dest, holder[0], sub, path, self.strict))
+            if not self.strict and isinstance(dest, torch.nn.Module) and isinstance(holder[0], dict):
+                for k in [k for k in holder[0] if k not in sub]:  # strict=False: saved extras are ignored
+                    del holder[0][k]
+            self.result.statefuls.append((dest, lambda: holder[0], path))
             return dest
         if isinstance(dest, dict):
             items = saved_items(saved)
