@@ -3,13 +3,23 @@ from the latest valid checkpoint, async saves and a final model-only export.
 
 Layout: ``FOLDER/step-00000500/`` (one shardsafe checkpoint per step, 8-digit zero padded;
 larger steps simply use more digits). Retention runs on rank 0 after a newer checkpoint
-has committed: it keeps the ``keep_last`` newest steps and every step divisible by
-``keep_every``, and never deletes the checkpoint being written or the one last loaded.
+has committed, when ``keep_last`` or ``keep_best`` is set: it keeps the ``keep_last``
+newest steps, every step divisible by ``keep_every`` and the ``keep_best`` steps with the
+best reported metric, and never deletes the checkpoint being written or the one last loaded.
+
+Metrics: ``save(step, state, metric=value)`` (or ``maybe_save(..., metric=value)``) stores
+``{"name": <the manager's metric name>, "value": value}`` as a plain value under the
+top-level key ``"shardsafe_metric"`` (:data:`METRIC_KEY`) of that step's checkpoint, so the
+ranking survives restarts; loads ignore the key unless the destination asks for it.
+
+``enable=False``: the manager touches nothing on disk (no folder is created, nothing is
+cleaned), saves nothing and loads nothing (``load`` returns None).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tomllib
 import warnings
@@ -28,6 +38,12 @@ from .storage.base import Folder
 
 PathLike = str | os.PathLike
 ASYNC_MODES = ("disabled", "async", "async_pinned")
+METRIC_KEY = "shardsafe_metric"
+"""Top-level key of a checkpoint that holds the metric reported with ``save(..., metric=)``."""
+# torchtitan settings that need its trainer (model parts, HF state-dict adapter): refused by
+# a plain CheckpointManager, honoured by shardsafe.integrations.torchtitan.
+TORCHTITAN_ONLY = ("initial_load_path", "initial_load_in_hf", "initial_load_in_hf_quantized", "last_save_in_hf",
+                   "create_seed_checkpoint")
 
 
 def step_dir(folder: PathLike, step: int) -> Path:
@@ -40,24 +56,44 @@ class CheckpointConfig:
     """The manager's settings, mirroring torchtitan's ``[checkpoint]`` section.
 
     ``CheckpointConfig.from_dict(d)`` / ``from_toml(path, section="checkpoint")`` accept
-    torchtitan's names too: ``keep_latest_k`` (= keep_last), ``load_step`` (-1 = latest),
-    ``last_save_model_only`` / ``export_dtype`` for the final export."""
+    every key of torchtitan 0.3.0's section: ``keep_latest_k`` (= keep_last), ``load_step``
+    (-1 = latest), ``last_save_model_only`` / ``export_dtype`` for the final export,
+    ``load_only``, ``enable_first_step_checkpoint``; the keys in :data:`TORCHTITAN_ONLY`
+    (initial loads, HF formats, seed checkpoints) are parsed here but need torchtitan's
+    trainer: :meth:`CheckpointManager.from_config` refuses them when set, naming them, and
+    ``shardsafe.integrations.torchtitan`` honours them. ``keep_best`` / ``metric`` /
+    ``mode`` keep the best checkpoints by a reported metric (shardsafe's own)."""
 
     folder: str = "checkpoints"
     enable: bool = True
     interval: int = 500
     keep_last: int | None = None
     keep_every: int | None = None
+    keep_best: int | None = None
+    metric: str = "metric"
+    mode: str = "min"
     async_mode: str = "disabled"
     max_staging_bytes: int | None = None
     load_step: int | None = None
     exclude_from_loading: list[str] = field(default_factory=list)
     last_save_model_only: bool = True
     export_dtype: str | None = None  # None: export in the training dtype
+    load_only: bool = False
+    enable_first_step_checkpoint: bool = False
+    initial_load_path: str | None = None
+    initial_load_model_only: bool = True
+    initial_load_in_hf: bool = False
+    initial_load_in_hf_quantized: bool = False
+    last_save_in_hf: bool = False
+    create_seed_checkpoint: bool = False
 
     _ALIASES = {"keep_latest_k": "keep_last", "enable_checkpoint": "enable"}
 
     def __post_init__(self) -> None:
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', not {self.mode!r}")
+        if self.keep_best is not None and self.keep_best <= 0:
+            raise ValueError(f"keep_best must be positive (or None), not {self.keep_best}")
         self.async_mode = {"async_with_pinned_mem": "async_pinned"}.get(self.async_mode, self.async_mode)
         if self.async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode must be one of {ASYNC_MODES}, not {self.async_mode!r}")
@@ -70,14 +106,17 @@ class CheckpointConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CheckpointConfig:
-        """Build from a dict (unknown keys raise ValueError naming them)."""
+        """Build from a dict; an unknown key raises ValueError naming it and listing the
+        known names and their aliases."""
         names = {f.name for f in fields(cls) if not f.name.startswith("_")}
         out: dict[str, Any] = {}
         for k, v in d.items():
-            k = cls._ALIASES.get(k, k)
-            if k not in names:
-                raise ValueError(f"unknown checkpoint setting {k!r} (known: {', '.join(sorted(names))})")
-            out[k] = v
+            name = cls._ALIASES.get(k, k)
+            if name not in names:
+                aliases = ", ".join(f"{a} (= {n})" for a, n in sorted(cls._ALIASES.items()))
+                raise ValueError(f"unknown checkpoint setting {k!r} (known: {', '.join(sorted(names))}; "
+                                 f"aliases: {aliases})")
+            out[name] = v
         return cls(**out)
 
     @classmethod
@@ -97,7 +136,12 @@ class CheckpointManager:
 
     The manager owns a :class:`~shardsafe.Checkpointer` (its memory budget, staging
     buffers and async save in flight); ``close()`` releases it. Rank 0 lists the folder,
-    chooses what to load and applies retention; the other ranks follow its choice."""
+    chooses what to load and applies retention; the other ranks follow its choice.
+
+    ``keep_best=K`` keeps the K checkpoints with the best ``metric`` (``mode="min"``: lowest
+    value) reported through ``save(..., metric=value)``; see the module docstring.
+    ``enable=False``: nothing is created, saved or loaded; ``load_only=True``: loads, but
+    creates, cleans and saves nothing."""
 
     def __init__(
         self,
@@ -106,36 +150,56 @@ class CheckpointManager:
         interval: int = 500,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        keep_best: int | None = None,
+        metric: str = "metric",
+        mode: str = "min",
+        enable: bool = True,
+        load_only: bool = False,
         async_mode: str = "disabled",
         max_staging_bytes: int | None = None,
         exclude_from_loading: list[str] | tuple[str, ...] = (),
         process_group: Any = None,
         checkpointer: Checkpointer | None = None,
     ) -> None:
-        self.config = CheckpointConfig(str(folder), True, interval, keep_last, keep_every, async_mode,
-                                       max_staging_bytes, None, list(exclude_from_loading))
+        self.config = CheckpointConfig(
+            folder=str(folder), enable=enable, interval=interval, keep_last=keep_last, keep_every=keep_every,
+            keep_best=keep_best, metric=metric, mode=mode, load_only=load_only, async_mode=async_mode,
+            max_staging_bytes=max_staging_bytes, exclude_from_loading=list(exclude_from_loading))
         self.folder = Path(folder)
         self.process_group = process_group
         self.checkpointer = checkpointer if checkpointer is not None else Checkpointer(
-            pin_memory=async_mode == "async_pinned")
+            pin_memory=self.config.async_mode == "async_pinned")
         self._owns_checkpointer = checkpointer is None
-        self._async = async_mode != "disabled"
+        self._async = self.config.async_mode != "disabled"
         self._pending_step: int | None = None
         self._loaded_step: int | None = None
+        self._metrics: dict[int, float | None] = {}  # step -> its stored metric (rank 0's cache)
         self.last_future: SaveFuture | None = None
         self._closed = False
         backend, location = self.checkpointer.locate(folder)
         self._backend, self._location = backend, location
+        if not enable or load_only:
+            return  # a disabled or load-only manager creates and cleans nothing
         with self._open(create=True) as f:
             if resolve(process_group).rank == 0:
                 self._clean(f)
 
     @classmethod
     def from_config(cls, config: CheckpointConfig | dict[str, Any], process_group: Any = None) -> CheckpointManager:
-        """A manager driven by a :class:`CheckpointConfig` (or its dict form)."""
+        """A manager driven by a :class:`CheckpointConfig` (or its dict form). Settings in
+        :data:`TORCHTITAN_ONLY` need torchtitan's trainer: when set they raise ValueError
+        naming them (use ``shardsafe.integrations.torchtitan``)."""
         if isinstance(config, dict):
             config = CheckpointConfig.from_dict(config)
+        for name in TORCHTITAN_ONLY:
+            if getattr(config, name):
+                raise ValueError(
+                    f"checkpoint setting {name}={getattr(config, name)!r} needs torchtitan's trainer (model parts, "
+                    "Hugging Face state-dict adapter); a plain CheckpointManager cannot apply it. Use "
+                    "shardsafe.integrations.torchtitan, or unset it.")
         mgr = cls(config.folder, interval=config.interval, keep_last=config.keep_last, keep_every=config.keep_every,
+                  keep_best=config.keep_best, metric=config.metric, mode=config.mode, enable=config.enable,
+                  load_only=config.load_only,
                   async_mode=config.async_mode, max_staging_bytes=config.max_staging_bytes,
                   exclude_from_loading=config.exclude_from_loading, process_group=process_group)
         mgr.config = config
@@ -158,6 +222,14 @@ class CheckpointManager:
             return []
         return sorted(out)
 
+    def agreed_steps(self) -> list[int]:
+        """Steps with a committed checkpoint as rank 0 lists them, ascending: the same list
+        on every rank (every rank calls it)."""
+        comm = resolve(self.process_group)
+        mine = self.steps() if comm.rank == 0 else None
+        count = comm.broadcast_ints([len(mine)] if mine is not None else None, 1)[0]
+        return comm.broadcast_ints(mine, count) if count else []
+
     def path(self, step: int) -> Path:
         """The folder of ``step`` in this manager's folder."""
         return step_dir(self.folder, step)
@@ -172,19 +244,34 @@ class CheckpointManager:
 
     # -- saving -----------------------------------------------------------------------
     def should_save(self, step: int, *, force: bool = False) -> bool:
-        """True when ``maybe_save(step, ...)`` would save."""
-        return force or (self.config.enable and step % self.config.interval == 0)
+        """True when ``maybe_save(step, ...)`` would save: never when disabled or
+        ``load_only``; else when forced, at multiples of the interval, and at step 1 with
+        ``enable_first_step_checkpoint``."""
+        cfg = self.config
+        if not cfg.enable or cfg.load_only:
+            return False
+        return force or step % cfg.interval == 0 or (step == 1 and cfg.enable_first_step_checkpoint)
 
-    def maybe_save(self, step: int, state: dict[str, Any], *, force: bool = False) -> bool:
-        """Save when ``step`` is a multiple of the interval (or ``force``); True if it saved."""
+    def maybe_save(self, step: int, state: dict[str, Any], *, force: bool = False,
+                   metric: float | None = None) -> bool:
+        """Save when :meth:`should_save` says so; True if it saved. ``metric`` as in :meth:`save`."""
         if not self.should_save(step, force=force):
             return False
-        self.save(step, state)
+        self.save(step, state, metric=metric)
         return True
 
-    def save(self, step: int, state: dict[str, Any]) -> SaveFuture | None:
-        """Save ``state`` as step ``step`` (sync or async per ``async_mode``), then apply retention."""
+    def save(self, step: int, state: dict[str, Any], *, metric: float | None = None) -> SaveFuture | None:
+        """Save ``state`` as step ``step`` (sync or async per ``async_mode``), then apply
+        retention. ``metric``: a number stored with the checkpoint under :data:`METRIC_KEY`
+        that ``keep_best`` ranks by. A disabled or ``load_only`` manager saves nothing."""
+        if not self.config.enable or self.config.load_only:
+            return None
         self._complete_pending()
+        if metric is not None:
+            if METRIC_KEY in state:
+                raise ValueError(f"the state has a top-level key {METRIC_KEY!r}, which the manager uses for metrics")
+            state = {**state, METRIC_KEY: {"name": self.config.metric, "value": float(metric)}}
+        self._metrics[step] = None if metric is None else float(metric)
         path = self.path(step)
         if not self._async:
             self.checkpointer.save(state, path, overwrite=True, process_group=self.process_group)
@@ -210,12 +297,15 @@ class CheckpointManager:
     def _retain(self, protect: int) -> None:
         """Delete checkpoints outside the retention policy (rank 0 only). Each deletion
         takes the checkpoint out of readers' sight first (see ``checkpoint_folder``)."""
-        if resolve(self.process_group).rank != 0 or self.config.keep_last is None:
+        cfg = self.config
+        if resolve(self.process_group).rank != 0 or (cfg.keep_last is None and cfg.keep_best is None):
             return
         steps = self.steps()
-        keep = set(steps[-self.config.keep_last:])
-        if self.config.keep_every:
-            keep |= {s for s in steps if s % self.config.keep_every == 0}
+        keep = set(steps[-cfg.keep_last:]) if cfg.keep_last else set()
+        if cfg.keep_every:
+            keep |= {s for s in steps if s % cfg.keep_every == 0}
+        if cfg.keep_best:
+            keep |= set(self.best_steps(steps))
         keep.add(protect)
         if self._loaded_step is not None:
             keep.add(self._loaded_step)
@@ -223,26 +313,47 @@ class CheckpointManager:
             for s in steps:
                 if s not in keep:
                     delete_checkpoint(f, step_name(s))
+                    self._metrics.pop(s, None)
+
+    def metric(self, step: int) -> float | None:
+        """The metric stored in step ``step``'s checkpoint under this manager's metric name
+        (None when it has none, was saved under another name, or cannot be read)."""
+        if step not in self._metrics:
+            value = None
+            try:
+                stored = self.checkpointer.load_full(self.path(step), keys=METRIC_KEY)[METRIC_KEY]
+                if isinstance(stored, dict) and stored.get("name") == self.config.metric:
+                    value = float(stored["value"])
+            except (CheckpointError, KeyError, TypeError, ValueError):
+                value = None
+            self._metrics[step] = value
+        return self._metrics[step]
+
+    def best_steps(self, steps: list[int] | None = None) -> list[int]:
+        """The ``keep_best`` steps (all ranked ones when keep_best is None) with the best
+        metric, best first; ties go to the newer step, NaN never ranks."""
+        scored = [(v, s) for s in (self.steps() if steps is None else steps)
+                  if (v := self.metric(s)) is not None and not math.isnan(v)]
+        sign = 1.0 if self.config.mode == "min" else -1.0
+        scored.sort(key=lambda vs: (sign * vs[0], -vs[1]))
+        return [s for _, s in scored[:self.config.keep_best]]
 
     # -- loading ----------------------------------------------------------------------
     def load(self, state: dict[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
         """Load step ``step``, or the latest valid checkpoint when None (skipping incomplete
         or corrupt ones with a warning naming them). Returns the step loaded, or None when
-        there is no checkpoint. Keys in ``exclude_from_loading`` are left untouched.
+        there is no checkpoint (always, when the manager is disabled). Keys in
+        ``exclude_from_loading`` are left untouched.
 
         Rank 0 chooses the candidates (its listing) and every rank follows, so ranks with
         different views of the folder (NFS attribute caches) never restore different
         steps; the load itself checks that every rank read the same manifest."""
+        if not self.config.enable:
+            return None
         self._complete_pending()
         if step is None and self.config.load_step is not None:
             step = self.config.load_step
-        comm = resolve(self.process_group)
-        if step is not None:
-            candidates = [step]
-        else:
-            mine = list(reversed(self.steps())) if comm.rank == 0 else None
-            count = comm.broadcast_ints([len(mine)] if mine is not None else None, 1)[0]
-            candidates = comm.broadcast_ints(mine, count) if count else []
+        candidates = [step] if step is not None else list(reversed(self.agreed_steps()))
         for s in candidates:
             try:
                 self.checkpointer.load(state, self.path(s), strict=strict, process_group=self.process_group,
