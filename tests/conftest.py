@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Every save in the tests compares replicated tensors across ranks (the workers the pools
+# spawn inherit it): a tensor that silently differs between ranks fails the test.
+os.environ.setdefault("SHARDSAFE_CHECK_REPLICAS", "1")
 
 from distributed import WorkerPool
 

@@ -82,3 +82,14 @@ def optimizer_before_fully_shard(rank: int, world: int, path: str) -> str:
     except shardsafe.CheckpointError as exc:
         return str(exc)
     return "saved"
+
+
+def save_differing_replica(rank: int, world: int, path: str) -> dict:
+    state = {"same": torch.ones(3), "w": torch.full((4,), float(rank == 1))}
+    try:
+        shardsafe.save(state, path, check_replicas=True)
+        refused = ""
+    except shardsafe.CheckpointError as exc:
+        refused = str(exc)
+    info = shardsafe.save(state, path + "-unchecked", check_replicas=False)
+    return {"refused": refused, "bytes": info.bytes_written}

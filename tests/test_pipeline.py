@@ -426,3 +426,13 @@ def test_optimizer_created_before_fully_shard_is_refused(pg_pool, tmp_path):
     """Bug 12 under real FSDP2: the error says to create the optimizer after wrapping."""
     results = pg_pool(2).run(pipeline_cases.optimizer_before_fully_shard, str(tmp_path / "ck"))
     assert all("created before fully_shard" in r for r in results), results
+
+
+def test_check_replicas_names_the_key_and_ranks(pg_pool, tmp_path):
+    """A plain tensor that differs between ranks: refused with check_replicas (on in the
+    tests through SHARDSAFE_CHECK_REPLICAS), saved from one rank without it."""
+    results = pg_pool(2).run(pipeline_cases.save_differing_replica, str(tmp_path / "ck"))
+    for r in results:
+        assert "tensor 'w'" in r["refused"] and "ranks [0]" in r["refused"] and "ranks [1]" in r["refused"], r
+    assert not (tmp_path / "ck").exists()
+    assert torch.equal(shardsafe.load_full(tmp_path / "ck-unchecked")["w"], torch.zeros(4))

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import shardsafe
-from dist_cases import build, full_reference, train, train_state
+from dist_cases import build, data_rank, full_reference, train, train_state
 
 
 def save_fsdp_both(rank: int, world: int, dcp_dir: str, ours_dir: str, ref_path: str) -> dict:
@@ -32,7 +32,7 @@ def save_tp(rank: int, world: int, ours_dir: str) -> dict:
     """FSDP2 + tensor parallel (2-D mesh; RowwiseParallel shards weights by columns): train
     one step and save with shardsafe."""
     model, opt = build("fsdp_tp", world)
-    train(model, opt, 1, rank)
+    train(model, opt, 1, data_rank("fsdp_tp", rank))  # TP peers see one batch (replicated biases stay equal)
     shardsafe.save(train_state(model, opt), ours_dir)
     dist.barrier()
     return {"rank": rank}

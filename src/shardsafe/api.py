@@ -27,7 +27,8 @@ def default_checkpointer() -> Checkpointer:
         return _DEFAULT
 
 
-def save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False, process_group: Any = None) -> SaveInfo:
+def save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False, process_group: Any = None,
+         check_replicas: bool | None = None) -> SaveInfo:
     """Save ``state_dict`` as a checkpoint folder at ``path``, crash-safely.
 
     With a process group (default: the world group when initialized) every rank calls
@@ -35,12 +36,18 @@ def save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
     The checkpoint becomes visible only once complete; an existing checkpoint at
     ``path`` is replaced only with ``overwrite=True`` and stays intact until the new one
     is committed. Values that cannot be saved without pickle raise
-    UnsupportedValueError naming their key on every rank, before anything is written."""
-    return default_checkpointer().save(state_dict, path, overwrite=overwrite, process_group=process_group)
+    UnsupportedValueError naming their key on every rank, before anything is written.
+
+    Replicated tensors are written from one rank. ``check_replicas=True`` first compares
+    every rank's copy (a digest each) and refuses the save, naming the key and ranks, when
+    they differ (default: the SHARDSAFE_CHECK_REPLICAS environment variable; it costs one
+    hash pass over the replicated bytes)."""
+    return default_checkpointer().save(state_dict, path, overwrite=overwrite, process_group=process_group,
+                                       check_replicas=check_replicas)
 
 
 def async_save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False, process_group: Any = None,
-               max_staging_bytes: int | None = None) -> SaveFuture:
+               max_staging_bytes: int | None = None, check_replicas: bool | None = None) -> SaveFuture:
     """Save like :func:`save`, but return once the state is staged in host memory; the
     write and commit run in the background. All ranks call it.
 
@@ -49,7 +56,7 @@ def async_save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = 
     kept for later saves. At most one async save per Checkpointer is in flight: a new one
     first waits for the previous one, and raises its error if it failed unobserved."""
     return default_checkpointer().async_save(state_dict, path, overwrite=overwrite, process_group=process_group,
-                                             max_staging_bytes=max_staging_bytes)
+                                             max_staging_bytes=max_staging_bytes, check_replicas=check_replicas)
 
 
 def wait_for_pending() -> SaveInfo | None:
@@ -59,7 +66,7 @@ def wait_for_pending() -> SaveInfo | None:
 
 def load(state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, verify: bool = True,
          process_group: Any = None, max_buffer: int = DEFAULT_MAX_BUFFER,
-         exclude: list[str] | tuple[str, ...] = ()) -> LoadInfo:
+         exclude: list[str] | tuple[str, ...] = (), cast_dtype: bool = False) -> LoadInfo:
     """Load the checkpoint at ``path`` into ``state_dict`` in place, on one process or on
     every rank of a process group, whatever world size or layout saved it.
 
@@ -68,9 +75,11 @@ def load(state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, ver
     Keys, shapes and dtypes are validated — and with ``verify`` the checksum of every
     needed block — before any destination byte is written, so a failed load leaves the
     destination untouched; every rank raises the same error. Dotted keys or prefixes in
-    ``exclude`` are left as they are in the destination."""
+    ``exclude`` are left as they are in the destination (and may be missing from the
+    checkpoint). A saved dtype that differs from the destination's is an error, unless
+    ``cast_dtype=True`` (then the values are converted as ``Tensor.copy_`` converts)."""
     return default_checkpointer().load(state_dict, path, strict=strict, verify=verify, process_group=process_group,
-                                       max_buffer=max_buffer, exclude=exclude)
+                                       max_buffer=max_buffer, exclude=exclude, cast_dtype=cast_dtype)
 
 
 def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True,

@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from .format.manifest import MANIFEST_NAME
 from .storage.base import Backend, Folder, Lock
 
@@ -256,6 +256,30 @@ def begin_save(backend: Backend, location: str, overwrite: bool) -> SaveTarget:
         raise
 
 
+def not_found_hint(backend: Backend, location: str) -> str:
+    """Why there is no checkpoint at ``location``, when the folder says more: a parked
+    previous checkpoint, a manager folder of step checkpoints, a DCP checkpoint."""
+    hint = parked_hint(backend, location)
+    if hint:
+        return hint
+    try:
+        with backend.open(location) as folder:
+            names = folder.names()
+    except CheckpointError:
+        return ""
+    from .steps import parse_step
+
+    steps = sorted(n for n in names if parse_step(n) is not None)
+    if steps:
+        shown = ", ".join(steps[-3:])
+        return (f": it is a folder of step checkpoints ({len(steps)}: ... {shown}); load one of them, or use "
+                "CheckpointManager(folder).load(state) for the newest valid one")
+    if ".metadata" in names:
+        return (": it looks like a torch.distributed.checkpoint (DCP) folder, whose metadata is a pickle; convert "
+                f"it once with `shardsafe import {location} OUT --from dcp --trust-pickle` (only if you trust it)")
+    return ""
+
+
 def parked_hint(backend: Backend, location: str) -> str:
     """A note for a missing checkpoint whose previous version sits parked beside it."""
     try:
@@ -279,14 +303,14 @@ def open_committed(backend: Backend, location: str, attempts: int = 3) -> tuple[
         try:
             folder = backend.open(location)
         except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(f"no checkpoint at {location}{parked_hint(backend, location)}") from None
+            raise CheckpointNotFoundError(f"no checkpoint at {location}{not_found_hint(backend, location)}") from None
         try:
             return folder, folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
         except CheckpointNotFoundError:
             folder.close()
             if attempt == attempts - 1:
                 raise CheckpointNotFoundError(
-                    f"no checkpoint at {location} (no {MANIFEST_NAME}){parked_hint(backend, location)}") from None
+                    f"no checkpoint at {location} (no {MANIFEST_NAME}){not_found_hint(backend, location)}") from None
         except BaseException:
             folder.close()
             raise

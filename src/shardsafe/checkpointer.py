@@ -82,6 +82,13 @@ class SaveFuture:
         return self._future.exception(timeout)
 
 
+def _check(check_replicas: bool | None) -> bool:
+    """``check_replicas``, defaulting to the SHARDSAFE_CHECK_REPLICAS environment variable."""
+    if check_replicas is not None:
+        return check_replicas
+    return os.environ.get("SHARDSAFE_CHECK_REPLICAS", "") not in ("", "0")
+
+
 def _threads(n: int | None, default: int) -> int:
     return max(1, n if n is not None else default)
 
@@ -127,13 +134,13 @@ class Checkpointer:
 
     # -- saving -------------------------------------------------------------------------
     def save(self, state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
-             process_group: Any = None) -> SaveInfo:
+             process_group: Any = None, check_replicas: bool | None = None) -> SaveInfo:
         """Save ``state_dict`` at ``path`` crash-safely; see :func:`shardsafe.save`."""
         self._check_open()
         comm = resolve(process_group)
         backend, location = self.locate(path)
         with active_group(comm.group, comm.rank, comm.world):
-            prep = prepare(state_dict, backend, location, overwrite, comm, self.plans)
+            prep = prepare(state_dict, backend, location, overwrite, comm, self.plans, _check(check_replicas))
         results: list[FileResult] = []
         error: BaseException | None = None
         try:
@@ -154,14 +161,15 @@ class Checkpointer:
         return finish(prep, results, error)
 
     def async_save(self, state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
-                   process_group: Any = None, max_staging_bytes: int | None = None) -> SaveFuture:
+                   process_group: Any = None, max_staging_bytes: int | None = None,
+                   check_replicas: bool | None = None) -> SaveFuture:
         """Stage ``state_dict`` and write it in the background; see :func:`shardsafe.async_save`."""
         self._check_open()
         self.wait()
         comm = self._async_comm(process_group)
         backend, location = self.locate(path)
         with active_group(resolve(process_group).group, comm.rank, comm.world):
-            prep = prepare(state_dict, backend, location, overwrite, comm, self.plans)
+            prep = prepare(state_dict, backend, location, overwrite, comm, self.plans, _check(check_replicas))
         future = SaveFuture(location)
         t0 = time.perf_counter()
         writer: FileWriter | None = None
@@ -222,7 +230,7 @@ class Checkpointer:
 
     def load(self, state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, verify: bool = True,
              process_group: Any = None, max_buffer: int = DEFAULT_MAX_BUFFER,
-             exclude: list[str] | tuple[str, ...] = ()) -> LoadInfo:
+             exclude: list[str] | tuple[str, ...] = (), cast_dtype: bool = False) -> LoadInfo:
         """Load the checkpoint at ``path`` into ``state_dict`` in place; see :func:`shardsafe.load`."""
         self._check_open()
         comm = resolve(process_group)
@@ -230,14 +238,15 @@ class Checkpointer:
         for attempt in range(LOAD_RETRIES):
             try:
                 with active_group(comm.group, comm.rank, comm.world):
-                    return self._load_once(state_dict, backend, location, comm, strict, verify, max_buffer, exclude)
+                    return self._load_once(state_dict, backend, location, comm, strict, verify, max_buffer, exclude,
+                                           cast_dtype)
             except CheckpointChangedError:
                 if attempt == LOAD_RETRIES - 1:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _load_once(self, state_dict: dict[str, Any], backend: Backend, location: str, comm: Comm, strict: bool,
-                   verify: bool, max_buffer: int, exclude: Any) -> LoadInfo:
+                   verify: bool, max_buffer: int, exclude: Any, cast_dtype: bool = False) -> LoadInfo:
         t0 = time.perf_counter()
         max_buffer = self.memory.fits(max_buffer)
         error: BaseException | None = None
@@ -249,7 +258,8 @@ class Checkpointer:
         try:
             opened = read_manifest_phase(backend, location)
             manifest = opened.manifest
-            matcher = Matcher(manifest, rank=comm.rank, strict=strict, exclude=exclude, world=comm.world)
+            matcher = Matcher(manifest, rank=comm.rank, strict=strict, exclude=exclude, world=comm.world,
+                              cast_dtype=cast_dtype)
             matcher.match(state_dict, manifest.tree, [], top=True)
             result = matcher.result
             result.raise_errors()

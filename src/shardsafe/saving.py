@@ -22,7 +22,6 @@ is a :class:`~shardsafe.comm.Comm` call. Protocol (every rank of the group calls
 from __future__ import annotations
 
 import time
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +33,13 @@ from . import __version__
 from .checkpoint_folder import SaveTarget, begin_save
 from .comm import Comm, rebuild
 from .comm import describe as describe_error
+from .engine.buffers import flat_bytes
 from .engine.writer import WrittenFile
 from .errors import CheckpointError, UnsupportedValueError
 from .format.checksum import checksum
 from .format.dtypes import dtype_name, safetensors_code
 from .format.manifest import Chunk, FileEntry, Manifest, TensorEntry
+from .hints import warn_user
 from .layout import Box
 from .plan.save_plan import (
     ChunkWrite,
@@ -200,8 +201,42 @@ class PreparedSave:
     staging: Folder | None = None
 
 
+def replica_digests(described: Described) -> dict[tuple[str, Box], str]:
+    """XXH3-64 of every box this rank holds that other ranks may hold too (plain tensors,
+    DTensor boxes with a Replicate placement), for ``check_replicas``."""
+    out: dict[tuple[str, Box], str] = {}
+    for tl in described.layouts:
+        if tl.kind == "rank_local":
+            continue
+        t = described.flat.tensors[tl.key]
+        if is_dtensor(t) and not any(_is_replicate(p) for p in t.placements):
+            continue
+        for box in tl.boxes:
+            src = described.sources[(tl.key, box)].detach()
+            src = src.cpu() if src.device.type != "cpu" else src
+            out[(tl.key, box)] = checksum(memoryview(flat_bytes(src.contiguous()).numpy())) if src.numel() else ""
+    return out
+
+
+def check_replicas(gathered: list[dict[tuple[str, Box], str]]) -> None:
+    """Raise CheckpointError naming the key and ranks when ranks hold different bytes for
+    the same box (the same on every rank: they all see the same gathered digests)."""
+    seen: dict[tuple[str, Box], dict[str, list[int]]] = {}
+    for rank, digests in enumerate(gathered):
+        for k, d in digests.items():
+            seen.setdefault(k, {}).setdefault(d, []).append(rank)
+    for (key, box), by_digest in seen.items():
+        if len(by_digest) > 1:
+            groups = sorted(by_digest.values(), key=lambda r: r[0])
+            desc = "; ".join(f"ranks {r[:8]}" for r in groups)
+            raise CheckpointError(
+                f"tensor '{key}' (box {list(box.offsets)}+{list(box.lengths)}) differs between ranks ({desc} hold "
+                "different values); a replicated tensor must be the same on every rank (mark per-rank tensors with "
+                "shardsafe.rank_local)")
+
+
 def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: bool, comm: Comm,
-            cache: PlanCache) -> PreparedSave:
+            cache: PlanCache, check: bool = False) -> PreparedSave:
     """Phases 1 and 2 (one all_gather, a second only when trees differ): describe, agree
     on errors, merge the value trees, plan. Raises the same error on every rank."""
     t0 = time.perf_counter()
@@ -218,8 +253,14 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
     except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
         error = exc
     wire = described.wire() if described is not None else []
+    digests: dict = {}
+    if check and described is not None and error is None and comm.distributed:
+        try:
+            digests = replica_digests(described)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
     mine = (None if error is None else describe_error(error, comm.rank), wire,
-            described.tree_digest if described else "", tmp, described.signature if described else "")
+            described.tree_digest if described else "", tmp, described.signature if described else "", digests)
     gathered = comm.all_gather(mine)
     staging: Folder | None = None
     try:
@@ -230,6 +271,8 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
             raise rebuild(failures[0]) from error
         assert described is not None
         tmp = gathered[0][3]
+        if check:
+            check_replicas([g[5] for g in gathered])
         tree = _agreed_tree(comm, described, [g[2] for g in gathered])
         plan, cached = cache.plan([g[1] for g in gathered], [g[4] for g in gathered])
         assigned = plan.by_rank[comm.rank]
@@ -292,9 +335,8 @@ def merge_trees(base: Any, other: Any, parts: list[str], rank: int, warn: bool =
             out[k] = merge_trees(base[k], v, parts + [k], rank, warn) if k in base else v
         return out
     if base != other and warn:
-        warnings.warn(
-            f"value at '{key}' differs between rank 0 and rank {rank}; rank 0's is saved (mark per-rank values "
-            "with shardsafe.rank_local)", stacklevel=5)
+        warn_user(f"value at '{key}' differs between rank 0 and rank {rank}; rank 0's is saved (mark per-rank "
+                  "values with shardsafe.rank_local)")
     return base
 
 

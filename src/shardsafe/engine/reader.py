@@ -24,6 +24,7 @@ import torch
 
 from ..errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.checksum import checksum
+from ..format.dtypes import torch_dtype
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..layout import Box
 from ..plan.load_plan import BlockCheck, ReadOp
@@ -294,7 +295,7 @@ class Reader:
                     handle.read_into([raw[pos: pos + m]], s)
                     pos += m
                 dest = dests[op.dest]
-                dtype = dest.dtype
+                dtype = torch_dtype(self.files.manifest.tensors[op.key].dtype)  # copy_ converts when they differ
                 piece = lease.tensor[:n].view(dtype).view(op.box.lengths) if n else torch.empty(op.box.lengths,
                                                                                                dtype=dtype)
                 with torch.no_grad():

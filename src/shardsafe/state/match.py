@@ -51,6 +51,7 @@ class Fill:
     tensor: torch.Tensor
     box: Box
     fresh: bool
+    cast: bool = False  # the saved dtype differs and the load converts (cast_dtype=True)
 
     def allocate(self) -> None:
         """Give a fresh tensor its memory (its shape is its box's); no-op otherwise."""
@@ -62,6 +63,8 @@ class Fill:
         """True when bytes can land straight in the tensor's memory (dense CPU, no lazy view)."""
         if self.fresh:
             return True
+        if self.cast:
+            return False  # saved bytes go through staging, then copy_ converts them
         t = self.tensor
         return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
@@ -110,7 +113,9 @@ class Matcher:
         rank_local_tree: Callable[[str], Any] | None = None,
         exclude: list[str] | tuple[str, ...] = (),
         world: int = 1,
+        cast_dtype: bool = False,
     ) -> None:
+        self.cast_dtype = cast_dtype
         self.exclude = tuple(exclude)
         self.manifest = manifest
         self.rank = rank
@@ -156,6 +161,10 @@ class Matcher:
             return per_rank[self.rank]
         return self.rank_local_tree(key)
 
+    def _excluded(self, path: str) -> bool:
+        """True when ``path`` is one of the excluded keys or lies below one."""
+        return any(path == e or path.startswith(e + ".") for e in self.exclude)
+
     # -- matching -----------------------------------------------------------------
     def match(self, dest: Any, saved: Any, parts: list[str], top: bool = False, private: bool = False) -> Any:
         """Return the value that should stand at this position after the load.
@@ -166,7 +175,7 @@ class Matcher:
         ``_last_lr`` list is shared with its sub-scheduler), which in-place writes would
         corrupt; only tensors are filled in place there."""
         path = join_key(parts) or "<root>"
-        if self.exclude and parts and any(path == e or path.startswith(e + ".") for e in self.exclude):
+        if parts and self._excluded(path):
             return dest
         ref = saved_ref(saved)
         if ref is not None and ref[0] == "$rank_local":
@@ -210,10 +219,10 @@ class Matcher:
             target = copy.copy(dest) if private else dest  # keeps the type and e.g. _metadata
             for k, v in list(dest.items()):
                 if k not in saved_map:
-                    if self.strict:
-                        self.result.errors.append(
-                            MissingKeysError(f"key '{join_key(parts + [str(k)])}' is not in the checkpoint")
-                        )
+                    child = join_key(parts + [str(k)])
+                    if self.strict and not self._excluded(child):
+                        self.result.errors.append(MissingKeysError(
+                            f"key '{child}' is not in the checkpoint{_nearby(str(k), saved_map, parts)}"))
                     continue
                 new = self.match(v, saved_map[k], parts + [str(k)], private=private)
                 if new is not v:
@@ -267,10 +276,11 @@ class Matcher:
             )
             return
         expected = str(dtype).removeprefix("torch.")
-        if entry.dtype != expected:
-            self.result.errors.append(
-                DtypeMismatchError(f"key '{path}': saved dtype {entry.dtype}, destination dtype {expected}")
-            )
+        cast = entry.dtype != expected
+        if cast and not self.cast_dtype:
+            self.result.errors.append(DtypeMismatchError(
+                f"key '{path}': saved dtype {entry.dtype}, destination dtype {expected} (pass cast_dtype=True to "
+                "convert on load)"))
             return
         for local, _ in views:
             if local.numel() > 1 and torch._debug_has_internal_overlap(local) == 1:
@@ -282,7 +292,7 @@ class Matcher:
                 )
                 return
         for local, box in views:
-            self.result.fills.append(Fill(key, local, box, fresh=False))
+            self.result.fills.append(Fill(key, local, box, fresh=False, cast=cast))
 
 
 def _attr_setter(holder: RankLocal, v: Any) -> Callable[[], None]:
@@ -297,3 +307,18 @@ def _setter(container: Any, k: Any, v: Any) -> Callable[[], None]:
         container[k] = v
 
     return assign
+
+
+def _nearby(key: str, saved: dict, parts: list[str]) -> str:
+    """"; the checkpoint has ..." naming the saved keys at that level, closest first."""
+    from ..hints import nearest
+
+    names = [str(k) for k in saved]
+    if not names:
+        return "; the checkpoint has nothing there"
+    close = nearest(key, names, n=3)
+    rest = [n for n in sorted(names) if n not in close]
+    shown = close + rest[: max(0, 6 - len(close))]
+    where = f"under '{join_key(parts)}'" if parts else "at the top level"
+    more = f" and {len(names) - len(shown)} more" if len(names) > len(shown) else ""
+    return f"; {where} the checkpoint has {', '.join(repr(n) for n in shown)}{more}"

@@ -20,12 +20,12 @@ the RNG streams last, so nothing consumes random numbers after they are restored
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..hints import warn_user
 from . import rng as rng_mod
 from .context import current_rank_world
 from .tree import RankLocal, rank_local
@@ -144,9 +144,7 @@ class TrainState:
         else:
             if not self._warned_rng:
                 self._warned_rng = True
-                warnings.warn(
-                    f"checkpoint saved on {sd['world_size']} ranks, resuming on {world}: RNG streams are "
-                    "re-derived from (rng_base_seed, step, rank), not restored", stacklevel=2,
-                )
+                warn_user(f"checkpoint saved on {sd['world_size']} ranks, resuming on {world}: RNG streams are "
+                          "re-derived from (rng_base_seed, step, rank), not restored")
             rng_mod.reseed(rng_mod.derive_seed(self.rng_base_seed, self.step, rank), self.numpy_generators)
             self.rng_restored = "derived"
