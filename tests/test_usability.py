@@ -83,3 +83,16 @@ def test_rng_warning_points_at_the_users_line(tmp_path):
         shardsafe.load({"train": OtherWorld(torch.nn.Linear(2, 2))}, tmp_path / "ck")
     rng = [w for w in caught if "re-derived" in str(w.message)]
     assert rng and rng[0].filename == __file__, [(w.filename, w.lineno) for w in rng]
+
+
+def test_manager_load_casts_when_configured(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    with shardsafe.CheckpointManager(tmp_path, interval=1) as mgr:
+        mgr.save(1, {"train": shardsafe.TrainState(model)})
+    half = torch.nn.Linear(4, 2).half()
+    cfg = shardsafe.CheckpointConfig.from_dict({"folder": str(tmp_path), "cast_dtype": True})
+    with shardsafe.CheckpointManager.from_config(cfg) as mgr:
+        assert mgr.load({"train": shardsafe.TrainState(half)}) == 1
+    assert torch.equal(half.weight, model.weight.detach().half())
+    with shardsafe.CheckpointManager(tmp_path, interval=1) as mgr, pytest.raises(shardsafe.DtypeMismatchError):
+        mgr.load({"train": shardsafe.TrainState(torch.nn.Linear(4, 2).half())}, step=1)

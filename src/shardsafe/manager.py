@@ -22,7 +22,6 @@ import contextlib
 import math
 import os
 import tomllib
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from .checkpoint_folder import clean_leftovers, delete_checkpoint, is_committed,
 from .checkpointer import Checkpointer, SaveFuture
 from .comm import resolve
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from .hints import warn_user
 from .steps import parse_step, step_name
 from .storage.base import Folder
 
@@ -76,6 +76,7 @@ class CheckpointConfig:
     max_staging_bytes: int | None = None
     load_step: int | None = None
     exclude_from_loading: list[str] = field(default_factory=list)
+    cast_dtype: bool = False  # load a checkpoint saved in another dtype, converting (shardsafe's own)
     last_save_model_only: bool = True
     export_dtype: str | None = None  # None: export in the training dtype
     load_only: bool = False
@@ -178,11 +179,11 @@ class CheckpointManager:
         self._closed = False
         backend, location = self.checkpointer.locate(folder)
         self._backend, self._location = backend, location
+        self._cleaned = False
         if not enable or load_only:
             return  # a disabled or load-only manager creates and cleans nothing
-        with self._open(create=True) as f:
-            if resolve(process_group).rank == 0:
-                self._clean(f)
+        with self._open(create=True):
+            pass  # leftovers are cleaned by the first save (an observer never changes the folder)
 
     @classmethod
     def from_config(cls, config: CheckpointConfig | dict[str, Any], process_group: Any = None) -> CheckpointManager:
@@ -272,6 +273,10 @@ class CheckpointManager:
                 raise ValueError(f"the state has a top-level key {METRIC_KEY!r}, which the manager uses for metrics")
             state = {**state, METRIC_KEY: {"name": self.config.metric, "value": float(metric)}}
         self._metrics[step] = None if metric is None else float(metric)
+        if not self._cleaned and resolve(self.process_group).rank == 0:
+            self._cleaned = True
+            with self._open(create=True) as f:
+                self._clean(f)
         path = self.path(step)
         if not self._async:
             self.checkpointer.save(state, path, overwrite=True, process_group=self.process_group)
@@ -312,7 +317,11 @@ class CheckpointManager:
         with self._open() as f:
             for s in steps:
                 if s not in keep:
-                    delete_checkpoint(f, step_name(s))
+                    try:
+                        delete_checkpoint(f, step_name(s))
+                    except CheckpointError as exc:  # retention must not fail training: the next one retries
+                        warn_user(f"retention could not delete {self.path(s)}: {exc}")
+                        continue
                     self._metrics.pop(s, None)
 
     def metric(self, step: int) -> float | None:
@@ -339,11 +348,13 @@ class CheckpointManager:
         return [s for _, s in scored[:self.config.keep_best]]
 
     # -- loading ----------------------------------------------------------------------
-    def load(self, state: dict[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
+    def load(self, state: dict[str, Any], step: int | None = None, *, strict: bool = True,
+             cast_dtype: bool | None = None) -> int | None:
         """Load step ``step``, or the latest valid checkpoint when None (skipping incomplete
         or corrupt ones with a warning naming them). Returns the step loaded, or None when
         there is no checkpoint (always, when the manager is disabled). Keys in
-        ``exclude_from_loading`` are left untouched.
+        ``exclude_from_loading`` are left untouched. ``cast_dtype`` (default: the config's)
+        converts tensors saved in another dtype, as :func:`shardsafe.load` does.
 
         Rank 0 chooses the candidates (its listing) and every rank follows, so ranks with
         different views of the folder (NFS attribute caches) never restore different
@@ -357,11 +368,12 @@ class CheckpointManager:
         for s in candidates:
             try:
                 self.checkpointer.load(state, self.path(s), strict=strict, process_group=self.process_group,
-                                       exclude=self.config.exclude_from_loading)
+                                       exclude=self.config.exclude_from_loading,
+                                       cast_dtype=self.config.cast_dtype if cast_dtype is None else cast_dtype)
             except (CorruptCheckpointError, CheckpointNotFoundError, FormatVersionError) as exc:
                 if step is not None:
                     raise
-                warnings.warn(f"skipping checkpoint {self.path(s)}: {exc}", stacklevel=2)
+                warn_user(f"skipping checkpoint {self.path(s)}: {exc}")
                 continue
             self._loaded_step = s
             return s

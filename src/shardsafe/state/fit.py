@@ -109,8 +109,8 @@ def fit_problems(obj: Any, new: Any, current: Any, path: str, strict: bool) -> l
         return out
     if isinstance(obj, torch.nn.Module):
         return _module(new, current, path, strict)
-    if isinstance(obj, torch.optim.Optimizer):
-        return _optimizer(obj, new, path)
+    if isinstance(obj, torch.optim.Optimizer) and isinstance(current, dict) and "param_groups" in current:
+        return _optimizer(obj, new, path)  # (containers such as torchtitan's flatten their own state)
     if isinstance(obj, LRScheduler):
         return _scheduler(obj, new, path)
     if type(obj).__name__ == "GradScaler":
