@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench faults lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +25,9 @@ bench: install
 	$(PY) benchmarks/bench_planning.py
 	$(PY) benchmarks/bench_async.py
 	$(PY) benchmarks/bench_export.py
+
+faults: install
+	$(PY) -m faults.campaign
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -3,9 +3,8 @@ code: damaged checkpoints loaded on 4 ranks and one process, hostile manifests, 
 saves, injected storage failures, concurrent saves and loads, and the negative controls
 that prove the classifier sees what it must. Every trial must land in a good class.
 
-The defects the full campaign found are reproduced by faults/repro_defects.py; each runs
-here as a strict xfail, so a fix shows up as an XPASS failure: then delete its repro
-function (and, for the two failure kinds below, its entry in KNOWN_FAILURE_KINDS)."""
+The defects the full campaign found (all fixed) are reproduced by faults/repro_defects.py;
+each runs here as a regression test: it fails if its defect comes back."""
 
 from __future__ import annotations
 
@@ -21,8 +20,6 @@ from faults.campaign import parse, summary  # noqa: E402
 from faults.common import Tally  # noqa: E402
 from faults.context import Context  # noqa: E402
 
-# Trials that would hit a defect already reproduced below are left out of the quick run.
-KNOWN_FAILURE_KINDS = ("directory fsync fails", "lock / open folder fails")
 HOSTILE_SAMPLE = [
     "nesting: tree 100k arrays", "int: $int of 2M digits", "int: plain literal of 5000 digits",
     "duplicate key: tensor entry", "NaN: chunk column", "lone surrogate: file name \\ud800",
@@ -100,7 +97,7 @@ def test_kills(ctx):
 def test_injected_failures(ctx):
     from faults.failures import run_failures
 
-    run_failures(ctx, 1, 1, 1, skip=KNOWN_FAILURE_KINDS)
+    run_failures(ctx, 1, 1, 1)
     assert_no_bad(ctx.tally)
     assert any("RLIMIT_FSIZE" in k for k in ctx.tally.kinds)
 
@@ -109,7 +106,7 @@ def test_injected_failures(ctx):
 def test_concurrent_saves_and_loads(ctx):
     from faults.concurrency import run_concurrency
 
-    run_concurrency(ctx, 1, 1.0, 1)  # one saver: two racing savers can hit a known defect
+    run_concurrency(ctx, 1, 1.0, 1)
     assert_no_bad(ctx.tally)
     assert any(k.startswith("concurrent processes") for k in ctx.tally.kinds)
 
@@ -122,8 +119,6 @@ def test_command_line():
 
 
 @pytest.mark.parametrize("name", sorted(repro_defects.REPROS))
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="defect found by the fault campaign (faults/repro_defects.py)")
-def test_known_defect_is_fixed(name, tmp_path):
+def test_defect_found_by_the_campaign_stays_fixed(name, tmp_path):
     reproduced, evidence = repro_defects.REPROS[name](tmp_path)
     assert not reproduced, evidence

@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
 from .format.manifest import MANIFEST_NAME
 from .storage.base import Backend, Folder, Lock
 
@@ -63,8 +63,8 @@ def is_committed(parent: Folder, name: str) -> bool:
     try:
         with parent.open_folder(name) as f:
             return f.kind(MANIFEST_NAME) == "file"
-    except CheckpointError:
-        return False
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        return False  # gone meanwhile, or not a folder: not a checkpoint (storage failures propagate)
 
 
 def in_use(parent: Folder, entry: str, now: float | None = None) -> bool:
@@ -77,6 +77,20 @@ def in_use(parent: Folder, entry: str, now: float | None = None) -> bool:
     except CheckpointError:
         return False
     return age < STALE_AFTER
+
+
+def claim_leftover(parent: Folder, entry: str) -> Lock | None | bool:
+    """Take temp folder ``entry`` for deletion: its lock (held while deleting, so a save
+    that just created it and has not locked it yet cannot lose it: its own lock fails and
+    it starts over), None where there are no locks and the folder is stale, False when a
+    live save holds it (or, without locks, it is not stale)."""
+    try:
+        lock = parent.lock(entry)
+    except CheckpointError:
+        return False
+    if lock is None and in_use(parent, entry):
+        return False
+    return lock
 
 
 def siblings(parent: Folder, name: str) -> list[tuple[str, str]]:
@@ -131,11 +145,16 @@ def clean_leftovers(parent: Folder, name: str) -> list[str]:
     for entry, mark in entries:
         if entry in done:
             continue
-        if mark == TMP_MARK and in_use(parent, entry):
+        claim = claim_leftover(parent, entry) if mark == TMP_MARK else None
+        if claim is False:
             continue
-        with contextlib.suppress(CheckpointError):
-            discard(parent, entry)
-            done.append(entry)
+        try:
+            with contextlib.suppress(CheckpointError):
+                discard(parent, entry)
+                done.append(entry)
+        finally:
+            if claim:
+                claim.release()
     return done
 
 
@@ -205,7 +224,11 @@ def publish(parent: Folder, tmp: str, name: str) -> None:
     kind = parent.kind(name)
     if kind is None:
         parent.rename(tmp, name)
-        parent.sync()
+        try:
+            parent.sync()
+        except BaseException:
+            parent.rename(name, tmp)  # not durably published: back to the temp name (the caller aborts it)
+            raise
         return
     if kind == "dir" and not is_committed(parent, name):
         with parent.open_folder(name) as f:
@@ -216,7 +239,11 @@ def publish(parent: Folder, tmp: str, name: str) -> None:
             parent.sync()
             return
     if parent.exchange(tmp, name):
-        parent.sync()
+        try:
+            parent.sync()
+        except BaseException:
+            parent.exchange(tmp, name)  # roll back: the old entry goes back to its name
+            raise
         with contextlib.suppress(CheckpointError):
             discard(parent, tmp)  # tmp now names the old entry
         return
@@ -224,10 +251,14 @@ def publish(parent: Folder, tmp: str, name: str) -> None:
     parent.rename(name, old)
     try:
         parent.rename(tmp, name)
+        try:
+            parent.sync()
+        except BaseException:
+            parent.rename(name, tmp)
+            raise
     except BaseException:
         parent.rename(old, name)  # roll back: the old entry stays in place
         raise
-    parent.sync()
     with contextlib.suppress(CheckpointError):
         discard(parent, old)
 
@@ -242,15 +273,25 @@ def begin_save(backend: Backend, location: str, overwrite: bool) -> SaveTarget:
     try:
         clean_leftovers(parent, name)
         check_target(parent, name, overwrite)
-        tmp = hidden_name(name, TMP_MARK)
-        staging = parent.open_folder(tmp, create=True)
-        try:
-            lock = parent.lock(tmp)
-        except BaseException:
-            staging.close()
-            parent.remove_tree(tmp)
-            raise
-        return SaveTarget(parent, name, tmp, staging, lock)
+        for attempt in range(3):
+            tmp = hidden_name(name, TMP_MARK)
+            try:
+                staging = parent.open_folder(tmp, create=True)
+            except CheckpointNotFoundError:
+                continue  # another save's cleaning deleted it before we could open it: a new name
+            try:
+                lock = parent.lock(tmp)
+            except CheckpointError:
+                staging.close()
+                if attempt == 2:
+                    raise
+                continue  # another save's cleaning claimed it first: a new name
+            if lock is not None and parent.kind(tmp) != "dir":  # deleted between open and lock
+                lock.release()
+                staging.close()
+                continue
+            return SaveTarget(parent, name, tmp, staging, lock)
+        raise CheckpointError(f"cannot create a temporary folder beside {parent.where(name)}")
     except BaseException:
         parent.close()
         raise

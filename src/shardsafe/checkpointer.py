@@ -43,7 +43,7 @@ from .loading import (
 from .saving import CHECKSUM_BLOCK, FileResult, PlanCache, PreparedSave, SaveInfo, file_result, finish, prepare
 from .state.context import active_group
 from .state.match import Matcher
-from .state.saved import select
+from .state.saved import check_tree, select
 from .storage.base import Backend
 from .storage.urls import default_backends
 from .storage.urls import resolve as resolve_location
@@ -258,6 +258,7 @@ class Checkpointer:
         try:
             opened = read_manifest_phase(backend, location)
             manifest = opened.manifest
+            check_tree(manifest)
             matcher = Matcher(manifest, rank=comm.rank, strict=strict, exclude=exclude, world=comm.world,
                               cast_dtype=cast_dtype)
             matcher.match(state_dict, manifest.tree, [], top=True)
@@ -310,6 +311,7 @@ class Checkpointer:
         opened = read_manifest_phase(backend, location)
         try:
             manifest = opened.manifest
+            check_tree(manifest)
             tree = manifest.tree
             if keys is not None:
                 tree = select(tree, [keys] if isinstance(keys, str) else list(keys))

@@ -309,9 +309,19 @@ def _no_constant(name: str) -> Any:
     raise _Refused(f"{name} is not a JSON number")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number as a float, refusing one that overflows to infinity (``1e400``):
+    non-finite floats are written only as ``$float`` tags."""
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _Refused(f"number {text[:40]} is out of the float range")
+    return value
+
+
 _Decode = Callable[[str, int], tuple[Any, int]]
-_STRICT: _Decode = json.JSONDecoder(object_pairs_hook=_unique, parse_constant=_no_constant).raw_decode
-_PLAIN: _Decode = json.JSONDecoder(parse_constant=_no_constant).raw_decode
+_STRICT: _Decode = json.JSONDecoder(object_pairs_hook=_unique, parse_constant=_no_constant,
+                                    parse_float=_finite_float).raw_decode
+_PLAIN: _Decode = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float).raw_decode
 _WS = re.compile(r"[ \t\n\r]*")
 _COLUMNS = ("o", "n", "f", "b", "x")
 # A \u escape of a high surrogate with or without the low one that must follow, or a low alone.
@@ -615,8 +625,10 @@ def _head_itemsize(key: str, dtype: Any, shape: Any, name_itemsize: Callable[[st
     valid (a str; non-negative int dims with a total size below 2^62)."""
     if not (isinstance(dtype, str) and isinstance(shape, list) and all(_count(s) and s < _LIMIT for s in shape)):
         raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad dtype {dtype!r} or shape {shape!r}")
-    size = name_itemsize(dtype) or 0
-    if prod(shape) * max(size, 1) >= _LIMIT:
+    size = name_itemsize(dtype)
+    if not size:
+        raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': unknown dtype {dtype!r}")
+    if prod(shape) * size >= _LIMIT:
         raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': shape {shape!r} is too large")
     return size
 

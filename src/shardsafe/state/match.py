@@ -25,6 +25,7 @@ import torch
 
 from ..errors import (
     CheckpointError,
+    CorruptCheckpointError,
     DtypeMismatchError,
     MissingKeysError,
     ShapeMismatchError,
@@ -128,7 +129,7 @@ class Matcher:
     def fresh_tensor(self, key: str) -> torch.Tensor:
         entry = self.manifest.tensors.get(key)
         if entry is None:
-            raise MissingKeysError(f"manifest references tensor '{key}' that it does not describe")
+            raise CorruptCheckpointError(f"manifest references tensor '{key}' that it does not describe")
         dtype = torch_dtype(entry.dtype)
         if dtype is None:
             raise CheckpointError(f"tensor '{key}': dtype {entry.dtype!r} is not supported by this torch")
@@ -265,7 +266,7 @@ class Matcher:
     def _match_tensor(self, dest: torch.Tensor, key: str, path: str) -> None:
         entry = self.manifest.tensors.get(key)
         if entry is None:
-            self.result.errors.append(MissingKeysError(f"key '{path}': tensor '{key}' is not in the manifest"))
+            self.result.errors.append(CorruptCheckpointError(f"key '{path}': tensor '{key}' is not in the manifest"))
             return
         views, global_shape, dtype = tensor_view(dest)
         if tuple(entry.shape) != tuple(global_shape):

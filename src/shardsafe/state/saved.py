@@ -83,3 +83,29 @@ def select(tree: Any, wanted: list[str]) -> Any:
     if missing:
         raise MissingKeysError(f"no key or key prefix {missing[0]!r} in the checkpoint")
     return {} if out is _DROP else out
+
+
+def check_tree(manifest: Any) -> None:
+    """Decode the manifest's whole value tree and every rank-local value once, as
+    ``load_full`` would (malformed typed JSON, duplicate keys, too deep), and check that
+    every placeholder names a tensor or rank-local value the manifest holds; anything else
+    is a CorruptCheckpointError. Loads in place run it before matching, so they refuse
+    exactly what ``load_full`` refuses. Remembered on the manifest (checked once)."""
+    if getattr(manifest, "_tree_checked", False):
+        return
+    from ..errors import CorruptCheckpointError
+    from ..format.values import decode
+
+    def on_ref(tag: str, key: str) -> None:
+        known = manifest.tensors if tag == "$tensor" else manifest.rank_local
+        if key not in known:
+            what = "tensor" if tag == "$tensor" else "rank-local value"
+            raise CorruptCheckpointError(f"manifest: the value tree refers to {what} {key!r}, which it does not hold")
+
+    decode(manifest.tree, on_ref)
+    for key, per_rank in manifest.rank_local.items():
+        if not isinstance(per_rank, list):
+            raise CorruptCheckpointError(f"manifest: rank-local value {key!r} is not a list of per-rank values")
+        for value in per_rank:
+            decode(value, on_ref)
+    manifest._tree_checked = True

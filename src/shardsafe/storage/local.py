@@ -231,6 +231,10 @@ class LocalFolder(Folder):
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CorruptCheckpointError(f"{where} is a symlink; checkpoints hold regular files only") from None
+            st = self._stat(name)
+            if st is not None and not stat.S_ISREG(st.st_mode):  # a socket (ENXIO), ...
+                raise CorruptCheckpointError(
+                    f"{where} is not a regular file; checkpoints hold regular files only") from None
             raise storage_error(exc, "open", where) from exc
         try:
             st = os.fstat(fd)

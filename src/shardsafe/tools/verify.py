@@ -21,6 +21,7 @@ from ..engine.reader import Problems
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.dtypes import itemsize, torch_dtype
 from ..format.manifest import Chunk, Manifest
+from ..layout import Box, boxes_disjoint
 from ..loading import CheckpointReader, block_size, read_manifest_phase
 from ..plan.load_plan import BlockCheck, chunk_checks
 from ..state.match import Matcher
@@ -112,6 +113,8 @@ def _geometry(manifest: Manifest, block: int) -> list[Problem]:
                 problems.append(Problem("wrong number of block checksums", name, key, c.start, c.end))
         if covered != prod(entry.shape):
             problems.append(Problem(f"chunks hold {covered} of the tensor's {prod(entry.shape)} elements", key=key))
+        elif len(entry.chunks) > 1 and not boxes_disjoint([Box(c.offsets, c.lengths) for c in entry.chunks]):
+            problems.append(Problem("chunks overlap (and so leave part of the tensor uncovered)", key=key))
     return problems
 
 
