@@ -11,7 +11,7 @@ Method (one process, single-threaded torch: torch.set_num_threads(1))
     long). Contenders, run back to back in a rotated order in every repetition:
       - copy_      : ``dst.copy_(src)`` of every tensor into preallocated buffers (the
                      floor for any save that snapshots host memory);
-      - ss async   : ``shardsafe.AsyncSaver().save`` (one saver for the whole run, so its
+      - ss async   : ``shardsafe.Checkpointer().async_save`` (one Checkpointer for the whole run, so its
                      staging pool is reused; its first, pool-allocating save is a warm-up).
                      Its default pool holds the whole state, so the writer starts after
                      staging, and each slot's copies are split over the cores (the loop is
@@ -36,7 +36,7 @@ Method (one process, single-threaded torch: torch.set_num_threads(1))
     time of the undisturbed windows just before and just after it; the median over
     trials (pooled medians too).
   * RSS: psutil RSS after async save 1 and after save 20 (each waited for) of the same
-    state through the run's AsyncSaver; growth in percent of the RSS after save 1. Those
+    state through the run's Checkpointer; growth in percent of the RSS after save 1. Those
     checkpoints go to /dev/shm by default (--rss-dir): 20 fsync'd 1 GiB saves to a slow
     disk would take minutes, and tmpfs pages are not counted in the process's RSS.
 Targets: ss async stall <= 1.3 x copy_ and <= 0.5 x dcp async stall; step slowdown
@@ -202,7 +202,7 @@ class Trainer:
 # --------------------------------------------------------------------------- parts
 
 
-def bench_stalls(work: Path, state: dict, reps: int, saver: shardsafe.AsyncSaver) -> dict:
+def bench_stalls(work: Path, state: dict, reps: int, saver: shardsafe.Checkpointer) -> dict:
     tensors = list(state.values())
     bufs = [torch.empty_like(t) for t in tensors]
     for b in bufs:
@@ -217,7 +217,7 @@ def bench_stalls(work: Path, state: dict, reps: int, saver: shardsafe.AsyncSaver
     def ss_async() -> tuple[float, float]:
         p = work / "ss_async"
         t0 = time.perf_counter()
-        fut = saver.save(state, p)
+        fut = saver.async_save(state, p)
         stall = time.perf_counter() - t0
         fut.result()
         total = time.perf_counter() - t0
@@ -277,7 +277,7 @@ def bench_stalls(work: Path, state: dict, reps: int, saver: shardsafe.AsyncSaver
     }
 
 
-def bench_training(work: Path, state: dict, trials: int, saver: shardsafe.AsyncSaver,
+def bench_training(work: Path, state: dict, trials: int, saver: shardsafe.Checkpointer,
                    writer: ProcessWriter) -> dict:
     trainer = Trainer()
     trainer.steps(3)
@@ -296,7 +296,7 @@ def bench_training(work: Path, state: dict, trials: int, saver: shardsafe.AsyncS
         b0 = trainer.steps(20)
 
         p = work / "train_thread"
-        fut = saver.save(state, p)
+        fut = saver.async_save(state, p)
         t0 = time.perf_counter()
         s_thread = trainer.steps_while(lambda: not fut.done())  # noqa: B023 - called within this iteration
         fut.result()
@@ -340,7 +340,7 @@ def bench_training(work: Path, state: dict, trials: int, saver: shardsafe.AsyncS
     }
 
 
-def bench_rss(work: Path, state: dict, saves: int, saver: shardsafe.AsyncSaver) -> dict:
+def bench_rss(work: Path, state: dict, saves: int, saver: shardsafe.Checkpointer) -> dict:
     import psutil
 
     proc = psutil.Process()
@@ -349,13 +349,13 @@ def bench_rss(work: Path, state: dict, saves: int, saver: shardsafe.AsyncSaver) 
     t0 = time.perf_counter()
     for i in range(1, saves + 1):
         first_tensor[0] = float(i)
-        saver.save(state, work / f"rss{i % 2}", overwrite=True).result()
+        saver.async_save(state, work / f"rss{i % 2}", overwrite=True).result()
         if i in (1, 5, 10, saves):
             gc.collect()
             rss[i] = proc.memory_info().rss
     settle(work / "rss0", work / "rss1")
     growth = (rss[saves] - rss[1]) / rss[1]
-    return {"saves": saves, "rss_bytes": rss, "growth_frac": growth, "pool_allocations": saver.pool.allocations,
+    return {"saves": saves, "rss_bytes": rss, "growth_frac": growth, "pool_allocations": saver.memory.allocations,
             "seconds": time.perf_counter() - t0}
 
 
@@ -385,7 +385,7 @@ def main() -> int:
     state = make_state(n, numel)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     writer = ProcessWriter(nbytes)  # fork before any background thread exists
-    saver = shardsafe.AsyncSaver()
+    saver = shardsafe.Checkpointer()
     try:
         with bench_dir(args.dir, prefix="shardsafe-bench-async-") as work:
             info = machine_info(work)
