@@ -60,6 +60,7 @@ def load_into_stateless_optimizer(rank: int, world: int, path: str) -> str:
 def train_state_on_subgroups(rank: int, world: int, folder: str) -> None:
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     g = rank // 2
+    torch.manual_seed(0)  # replicated weights: the same on every rank
     model = torch.nn.Linear(3, 2)
     state = shardsafe.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     shardsafe.save({"train": state}, f"{folder}/g{g}", process_group=groups[g])
