@@ -125,11 +125,10 @@ class TorchSaveOutput(OutputFile):
 
         with FakeTensorMode():
             fake = _fake(skeleton)
-        buf = io.BytesIO()
+        buf = SparseFile()  # the skeleton without the holes skip_data leaves for tensor bytes
         with skip_data(materialize_fake_tensors=True):
             torch.save(fake, buf)
         del fake
-        data = buf.getvalue()
         buf.seek(0)
         with FakeTensorMode():
             loaded = torch.load(buf, weights_only=True)
@@ -141,13 +140,65 @@ class TorchSaveOutput(OutputFile):
             self.offsets[slot.key] = int(offset)
         self.handle = folder.create(name)
         try:
-            self.handle.write([memoryview(data)], 0)
+            for offset, piece in buf.pieces():
+                self.handle.write([memoryview(piece)], offset)
         except BaseException:
             self.abort()
             raise
 
     def _key(self, slot: Slot) -> str:
         return slot.key
+
+
+class SparseFile(io.RawIOBase):
+    """An in-memory seekable file that keeps only what was written (holes read as zeros),
+    so a ``torch.save`` skeleton of a large state costs its metadata, not its size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pieces: dict[int, bytes] = {}
+        self._pos = 0
+        self._end = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = offset if whence == 0 else (self._pos + offset if whence == 1 else self._end + offset)
+        return self._pos
+
+    def write(self, data) -> int:  # noqa: ANN001 - bytes-like
+        b = bytes(data)
+        if b:
+            self._pieces[self._pos] = b
+            self._pos += len(b)
+            self._end = max(self._end, self._pos)
+        return len(b)
+
+    def readinto(self, out) -> int:  # noqa: ANN001 - a writable buffer
+        view = memoryview(out).cast("B")
+        n = max(0, min(len(view), self._end - self._pos))
+        view[:n] = bytes(n)
+        lo, hi = self._pos, self._pos + n
+        for start, piece in self._pieces.items():
+            a, b = max(lo, start), min(hi, start + len(piece))
+            if a < b:
+                view[a - lo: b - lo] = piece[a - start: b - start]
+        self._pos = hi
+        return n
+
+    def pieces(self) -> list[tuple[int, bytes]]:
+        """What was written, as (offset, bytes), in file order."""
+        return sorted(self._pieces.items())
 
 
 def write_safetensors(folder: Folder, name: str, tensors: dict[str, torch.Tensor],
