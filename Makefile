@@ -8,7 +8,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev,integrations]' '$(TORCH_PIN)'
+	$(PY) -m pip install --quiet -e '.[dev,integrations,s3]' '$(TORCH_PIN)'
 	touch $@
 
 install: $(VENV)/.installed
