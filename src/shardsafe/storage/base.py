@@ -126,6 +126,13 @@ class Folder(ABC):
             h.read_into([memoryview(buf)], 0)
             return bytes(buf)
 
+    def publish_bytes(self, name: str, data: bytes, replace: bool) -> None:
+        """Make file ``name`` hold exactly ``data``, atomically for readers (they see the old
+        content or the new, never a part) and durably: the commit of a checkpoint on a
+        backend that cannot rename folders. Without ``replace`` an existing file is an
+        error (StorageError, EEXIST), decided atomically where the backend can."""
+        raise NotImplementedError(f"{type(self).__name__} cannot publish files")
+
     def write_bytes(self, name: str, data: bytes, durable: bool = True) -> None:
         """Create file ``name`` holding ``data`` (on stable storage with ``durable``)."""
         h = self.create(name)
@@ -194,7 +201,12 @@ class Folder(ABC):
 
 
 class Backend(ABC):
-    """Opens folders by location (a path or URL of the backend's kind)."""
+    """Opens folders by location (a path or URL of the backend's kind).
+
+    ``retries`` counts the requests the backend retried after transient failures (object
+    stores); saves and loads report its growth in ``SaveInfo`` / ``LoadInfo``."""
+
+    retries: int = 0
 
     @abstractmethod
     def open(self, location: str, create: bool = False) -> Folder:

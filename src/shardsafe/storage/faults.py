@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from .base import Backend, Folder, Kind, Lock, ReadHandle, WriteHandle
+from .base import Backend, Folder, Kind, Lock, ReadHandle, StorageError, WriteHandle
 from .local import LocalBackend, storage_error
 
 
@@ -43,19 +43,21 @@ class Fault:
 class FaultyBackend(Backend):
     """``inner`` (default: the local filesystem) with faults. ``exchange=False`` acts like a
     filesystem without atomic directory swaps; ``locks=False`` like one without flock;
-    ``write_delay`` sleeps before each write; ``write_gate`` (an Event) blocks each write
+    ``renames=False`` acts like an object store (no folder renames: commits publish the
+    manifest in place); ``write_delay`` sleeps before each write; ``write_gate`` (an Event) blocks each write
     after the first ``gate_skip`` ones until it is set; ``hidden`` names are left out of
     folder listings (a stale listing, as NFS attribute caches give); ``on_op(op, name)``
     is called before every operation."""
 
     def __init__(self, inner: Backend | None = None, faults: Iterable[Fault] = (), *, exchange: bool = True,
-                 locks: bool = True, write_delay: float = 0.0, write_gate: threading.Event | None = None,
+                 locks: bool = True, renames: bool = True, write_delay: float = 0.0, write_gate: threading.Event | None = None,
                  gate_skip: int = 0, hidden: Iterable[str] = (),
                  on_op: Callable[[str, str], None] | None = None) -> None:
         self.inner = inner if inner is not None else LocalBackend()
         self.faults = list(faults)
         self.exchange = exchange
         self.locks = locks
+        self.renames = renames
         self.write_delay = write_delay
         self.write_gate = write_gate
         self.gate_skip = gate_skip
@@ -189,11 +191,18 @@ class FaultyFolder(Folder):
         self.inner.remove_tree(name)
 
     def rename(self, src: str, dst: str) -> None:
+        if not self.backend.renames:
+            raise StorageError(f"cannot rename {self.where(src)}: this storage has no renames", errno_mod.ENOTSUP,
+                               self.where(src))
         self._check("rename", f"{src}->{dst}")
         self.inner.rename(src, dst)
 
+    def publish_bytes(self, name: str, data: bytes, replace: bool) -> None:
+        self._check("publish", name)
+        self.inner.publish_bytes(name, data, replace)
+
     def exchange(self, a: str, b: str) -> bool:
-        if not self.backend.exchange:
+        if not self.backend.exchange or not self.backend.renames:
             return False
         self._check("exchange", f"{a}<->{b}")
         return self.inner.exchange(a, b)
@@ -204,19 +213,19 @@ class FaultyFolder(Folder):
 
     def lock(self, name: str) -> Lock | None:
         self._check("lock", name)
-        if not self.backend.locks:
+        if not self.backend.locks or not self.backend.renames:
             return None
         inner = self.inner.lock(name)
         return None if inner is None else _FaultyLock(inner)
 
     def locked(self, name: str) -> bool | None:
-        if not self.backend.locks:
+        if not self.backend.locks or not self.backend.renames:
             return None
         return self.inner.locked(name)
 
     @property
     def can_rename(self) -> bool:
-        return self.inner.can_rename
+        return self.backend.renames and self.inner.can_rename
 
     def close(self) -> None:
         self.inner.close()

@@ -19,6 +19,7 @@ import mmap
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Sequence
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
@@ -266,6 +267,23 @@ class LocalFolder(Folder):
                 raise storage_error(exc, "map", self.where(name)) from exc
         finally:
             h.close()
+
+    def publish_bytes(self, name: str, data: bytes, replace: bool) -> None:
+        tmp = f".{name}.publish-{os.getpid()}-{threading.get_ident()}"
+        self.remove(tmp)
+        self.write_bytes(tmp, data)
+        try:
+            if replace:
+                try:
+                    os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+                except OSError as exc:
+                    raise storage_error(exc, "replace", self.where(name)) from exc
+            else:
+                self.rename(tmp, name)
+            self.sync()
+        except BaseException:
+            self.remove(tmp)
+            raise
 
     def remove(self, name: str) -> None:
         try:
