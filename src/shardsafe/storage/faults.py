@@ -50,8 +50,8 @@ class FaultyBackend(Backend):
     is called before every operation."""
 
     def __init__(self, inner: Backend | None = None, faults: Iterable[Fault] = (), *, exchange: bool = True,
-                 locks: bool = True, renames: bool = True, write_delay: float = 0.0, write_gate: threading.Event | None = None,
-                 gate_skip: int = 0, hidden: Iterable[str] = (),
+                 locks: bool = True, renames: bool = True, write_delay: float = 0.0,
+                 write_gate: threading.Event | None = None, gate_skip: int = 0, hidden: Iterable[str] = (),
                  on_op: Callable[[str, str], None] | None = None) -> None:
         self.inner = inner if inner is not None else LocalBackend()
         self.faults = list(faults)
