@@ -24,6 +24,7 @@ through the seam (``storage.base``), so every backend gets the same rules:
 from __future__ import annotations
 
 import contextlib
+import errno
 import time
 import uuid
 from dataclasses import dataclass
@@ -114,11 +115,14 @@ def discard(parent: Folder, entry: str) -> None:
 
 def delete_checkpoint(parent: Folder, name: str) -> None:
     """Delete checkpoint ``name`` so that no reader ever sees it half deleted: renamed out
-    of sight first (or, where renaming fails, its manifest removed first), then deleted."""
+    of sight first (or, where renaming fails or the backend cannot, its manifest removed
+    first), then deleted."""
     if parent.kind(name) is None:
         return
     gone = hidden_name(name, DEL_MARK)
     try:
+        if not parent.can_rename:
+            raise CheckpointError("no renames")
         parent.rename(name, gone)
     except CheckpointError:
         gone = name
@@ -158,6 +162,38 @@ def clean_leftovers(parent: Folder, name: str) -> list[str]:
     return done
 
 
+DATA_EXT = ".safetensors"
+
+
+def _manifest_files(folder: Folder) -> set[str]:
+    """The data file names the manifest in ``folder`` lists (empty without a readable one)."""
+    import json
+
+    try:
+        data = folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        files = json.loads(data[: data.rfind(b', "manifest_xxh3_64"')] + b"}").get("files", [])
+        return {f["name"] for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)}
+    except (CheckpointError, ValueError, TypeError, AttributeError):
+        return set()
+
+
+def clean_in_place(folder: Folder, now: float | None = None) -> list[str]:
+    """On a backend without renames: delete data files in the checkpoint folder that its
+    manifest does not list and that have not changed for STALE_AFTER seconds (a killed
+    save's; a live save's are younger). Returns what it deleted."""
+    keep = _manifest_files(folder)
+    now = time.time() if now is None else now
+    done = []
+    for n in folder.names():
+        if n in keep or not (n.startswith("data-") and n.endswith(DATA_EXT)):
+            continue
+        with contextlib.suppress(CheckpointError):
+            if now - folder.mtime(n) >= STALE_AFTER:
+                folder.remove(n)
+                done.append(n)
+    return done
+
+
 def check_target(parent: Folder, name: str, overwrite: bool) -> None:
     """Refuse a save target that holds a committed checkpoint (unless ``overwrite``) or
     anything that is not a shardsafe checkpoint."""
@@ -172,7 +208,10 @@ def check_target(parent: Folder, name: str, overwrite: bool) -> None:
             raise CheckpointExistsError(f"a checkpoint already exists at {where}; pass overwrite=True to replace it")
         return
     with parent.open_folder(name) as f:
-        if f.names():
+        names = f.names()
+        if not parent.can_rename:  # in place: a killed save's data files may be there, nothing else
+            names = [n for n in names if not (n.startswith("data-") and n.endswith(DATA_EXT))]
+        if names:
             raise CheckpointError(f"cannot save to {where}: the folder is not empty and holds no shardsafe checkpoint")
 
 
@@ -185,6 +224,14 @@ class SaveTarget:
     tmp: str
     staging: Folder
     lock: Lock | None
+    suffix: str = ""  # in place (no renames): this save's data files are named data-...<suffix>.safetensors
+
+    @property
+    def in_place(self) -> bool:
+        """True on backends without folder renames: data files go straight to the
+        checkpoint's folder under names unique to this save; the manifest, published last,
+        is the commit."""
+        return not self.parent.can_rename
 
     @property
     def location(self) -> str:
@@ -194,6 +241,9 @@ class SaveTarget:
     def commit(self, manifest: bytes, overwrite: bool) -> None:
         """Write the manifest last and publish the checkpoint at its name (see the module
         docstring). Without ``overwrite``, a checkpoint committed meanwhile wins."""
+        if self.in_place:
+            self._commit_in_place(manifest, overwrite)
+            return
         self.staging.write_bytes(MANIFEST_NAME, manifest)
         self.staging.sync()
         parent, name, tmp = self.parent, self.name, self.tmp
@@ -203,9 +253,32 @@ class SaveTarget:
                 "pass overwrite=True to replace it")
         publish(parent, tmp, name)
 
+    def _commit_in_place(self, manifest: bytes, overwrite: bool) -> None:
+        """Publish the manifest (replacing the old one with ``overwrite``, else only if none
+        appeared meanwhile), then delete the files of the checkpoint it replaced."""
+        old = _manifest_files(self.staging) if overwrite else set()
+        try:
+            self.staging.publish_bytes(MANIFEST_NAME, manifest, replace=overwrite)
+        except CheckpointError as exc:
+            if not overwrite and getattr(exc, "errno", None) == errno.EEXIST:
+                raise CheckpointExistsError(
+                    f"a checkpoint was committed at {self.location} while this save was running; "
+                    "pass overwrite=True to replace it") from None
+            raise
+        mine = {n for n in self.staging.names() if n.endswith(self.suffix + DATA_EXT)}
+        for stale in sorted(old - mine):
+            with contextlib.suppress(CheckpointError):
+                self.staging.remove(stale)
+
     def abort(self) -> None:
-        """Delete the temp folder (never raises)."""
+        """Delete what this save wrote: its temp folder, or in place its own data files
+        (never raises)."""
         with contextlib.suppress(Exception):
+            if self.in_place:
+                for n in self.staging.names():
+                    if n.endswith(self.suffix + DATA_EXT):
+                        self.staging.remove(n)
+                return
             self.staging.close()
             discard(self.parent, self.tmp)
 
@@ -271,6 +344,11 @@ def begin_save(backend: Backend, location: str, overwrite: bool) -> SaveTarget:
         raise CheckpointError(f"cannot save to {location!r}: give a folder name")
     parent = backend.open(parent_loc, create=True)
     try:
+        if not parent.can_rename:
+            check_target(parent, name, overwrite)
+            staging = parent.open_folder(name, create=True)
+            clean_in_place(staging)
+            return SaveTarget(parent, name, name, staging, None, f".{uuid.uuid4().hex[:12]}")
         clean_leftovers(parent, name)
         check_target(parent, name, overwrite)
         for attempt in range(3):

@@ -97,7 +97,9 @@ class Checkpointer:
     """Saves and loads of one job (see the module docstring).
 
     ``storage``: the backend for local paths (e.g. a fault-injecting one in tests), or a
-    dict scheme -> backend. ``memory_budget``: the most host memory (bytes) this rank's
+    dict scheme -> backend. ``storage_options``: settings of the object-store backend built
+    on first use of an ``s3://`` URL (endpoint, region, credentials; default: the usual
+    AWS environment variables and config). ``memory_budget``: the most host memory (bytes) this rank's
     staging and bounce buffers may hold at once; None: async saves stage a rank's whole
     share (the caller then never waits for the disk), sync saves at most 128 MiB, loads at
     most ``max_buffer``. ``write_threads`` / ``read_threads``: I/O concurrency of sync
@@ -105,13 +107,14 @@ class Checkpointer:
 
     def __init__(self, *, storage: Backend | dict[str, Backend] | None = None, memory_budget: int | None = None,
                  write_threads: int | None = None, read_threads: int | None = None, pin_memory: bool = True,
-                 plan_cache_size: int = 4) -> None:
+                 plan_cache_size: int = 4, storage_options: dict[str, Any] | None = None) -> None:
         if isinstance(storage, dict):
             self.backends = {**default_backends(), **storage}
         elif storage is not None:
             self.backends = {**default_backends(), "file": storage}
         else:
             self.backends = default_backends()
+        self.storage_options = dict(storage_options or {})
         cpus = os.cpu_count() or 1
         self.memory = HostMemory(memory_budget)
         self.write_threads = _threads(write_threads, min(2, cpus))
@@ -126,7 +129,7 @@ class Checkpointer:
     # -- locations ----------------------------------------------------------------------
     def locate(self, path: PathLike) -> tuple[Backend, str]:
         """The backend for ``path`` and the location there (unsupported URLs raise)."""
-        return resolve_location(path, self.backends)
+        return resolve_location(path, self.backends, self.storage_options)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -265,7 +268,7 @@ class Checkpointer:
             result = matcher.result
             result.raise_errors()
             plan = plan_phase(manifest, result.fills, verify=verify, verify_fresh_first=True, max_buffer=max_buffer)
-            files = OpenFiles(opened.folder, manifest)
+            files = OpenFiles(opened.folder, manifest, digest=opened.digest)
             open_files_phase(files, plan)
             reader = Reader(files, self.memory, self.read_threads)
             verified = plan.verify_with(reader)
@@ -321,7 +324,7 @@ class Checkpointer:
             fills = matcher.result.fills
             max_buffer = self.memory.fits(DEFAULT_MAX_BUFFER)
             plan = plan_phase(manifest, fills, verify=verify, verify_fresh_first=False, max_buffer=max_buffer)
-            with OpenFiles(opened.folder, manifest) as files:
+            with OpenFiles(opened.folder, manifest, digest=opened.digest) as files:
                 open_files_phase(files, plan)
                 reader = Reader(files, self.memory, self.read_threads)
                 plan.verify_with(reader)

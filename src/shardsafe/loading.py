@@ -159,7 +159,7 @@ class CheckpointReader:
         self.verify = verify
         self.max_buffer = max_buffer
         self.block = block_size(self.manifest)
-        self.files = OpenFiles(self.opened.folder, self.manifest)
+        self.files = OpenFiles(self.opened.folder, self.manifest, digest=self.opened.digest)
         self.reader = Reader(self.files, memory or HostMemory(), threads, progress)
 
     def read(self, key: str) -> torch.Tensor:

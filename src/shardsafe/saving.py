@@ -249,7 +249,7 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
         described = describe(state, comm.rank)
         if comm.rank == 0:
             target = begin_save(backend, location, overwrite)
-            tmp = target.tmp
+            tmp = target.tmp + "\n" + target.suffix
     except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
         error = exc
     wire = described.wire() if described is not None else []
@@ -270,7 +270,7 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
                 raise error
             raise rebuild(failures[0]) from error
         assert described is not None
-        tmp = gathered[0][3]
+        tmp, suffix = gathered[0][3].split("\n")
         if check:
             check_replicas([g[5] for g in gathered])
         tree = _agreed_tree(comm, described, [g[2] for g in gathered])
@@ -280,7 +280,7 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
         if assigned:
             codes = {tl.key: safetensors_code(described.flat.tensors[tl.key].dtype) for tl in described.layouts}
             sizes = {tl.key: tl.itemsize for tl in described.layouts}
-            mine_file = layout_file(data_file_name(comm.rank), comm.rank, assigned, codes, sizes)
+            mine_file = layout_file(data_file_name(comm.rank, 0, suffix), comm.rank, assigned, codes, sizes)
             staging = target.staging if target is not None else _open_staging(backend, parent_location, tmp)
     except BaseException:
         if target is not None:

@@ -43,9 +43,10 @@ class OpenFiles:
     Thread-safe. ``check_header`` verifies a file's header once; missing, truncated,
     replaced and non-regular files raise CorruptCheckpointError naming the file."""
 
-    def __init__(self, folder: Folder, manifest: Manifest, check_sizes: bool = True) -> None:
+    def __init__(self, folder: Folder, manifest: Manifest, check_sizes: bool = True, digest: int | None = None) -> None:
         self.folder = folder
         self.manifest = manifest
+        self.digest = digest  # of the manifest bytes read: a different one now means the checkpoint changed
         self.check_sizes = check_sizes  # ``verify`` reports size mismatches itself
         self.handles: dict[int, ReadHandle] = {}
         self.headers_ok: set[int] = set()
@@ -72,7 +73,7 @@ class OpenFiles:
         try:
             h = self.folder.open_read(entry.name)
         except CheckpointNotFoundError:
-            if self.folder.kind(MANIFEST_NAME) is None:
+            if self.folder.kind(MANIFEST_NAME) is None or self._manifest_changed():
                 raise CheckpointChangedError(
                     f"{self.folder.location}: the checkpoint was deleted or replaced while it was read") from None
             raise CorruptCheckpointError(f"data file {self.name(index)} is missing") from None
@@ -82,6 +83,19 @@ class OpenFiles:
                 f"data file {self.name(index)} has {h.size} bytes, the manifest says {entry.nbytes} "
                 f"({'truncated' if h.size < entry.nbytes else 'replaced or appended to'})")
         return h
+
+    def _manifest_changed(self) -> bool:
+        """True when the folder's manifest is no longer the one this load read (an in-place
+        overwrite published a new one and deleted the old files)."""
+        if self.digest is None:
+            return False
+        from ..checkpoint_folder import MAX_MANIFEST_BYTES
+
+        try:
+            data = self.folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        except CheckpointError:
+            return True
+        return int(checksum(data), 16) != self.digest
 
     def check_header(self, index: int) -> None:
         """Verify file ``index``'s header against the manifest (once per session)."""

@@ -113,9 +113,11 @@ def layout_file(name: str, rank: int, assignments: list[Assignment], codes: dict
     return FileWrite(name, rank, header, chunks)
 
 
-def data_file_name(rank: int, index: int = 0) -> str:
-    """Data file names: ``data-r<rank>-<index>.safetensors``, zero padded."""
-    return f"data-r{rank:05d}-{index:02d}.safetensors"
+def data_file_name(rank: int, index: int = 0, save_id: str = "") -> str:
+    """Data file names: ``data-r<rank>-<index>.safetensors``, zero padded; with a save id
+    (saves on backends without renames, whose files sit beside the previous checkpoint's
+    until the commit): ``data-r<rank>-<index><save_id>.safetensors``."""
+    return f"data-r{rank:05d}-{index:02d}{save_id}.safetensors"
 
 
 def layout_digest(layouts: list[list[tuple]]) -> str:

@@ -1,8 +1,9 @@
 """Where a path or URL lives: which backend, and the location that backend understands.
 
-Plain paths and ``file://`` URLs go to the local filesystem. Any other scheme is refused
-with a clear error (object storage is not supported by this version), so that
-``save(sd, "s3://bucket/x")`` never creates a local folder named ``s3:``.
+Plain paths and ``file://`` URLs go to the local filesystem; ``s3://bucket/prefix`` URLs to
+the S3 backend (``shardsafe[s3]``; the location is the URL itself). Any other scheme is
+refused with a clear error, so that ``save(sd, "gs://bucket/x")`` never creates a local
+folder named ``gs:``.
 """
 
 from __future__ import annotations
@@ -40,10 +41,15 @@ def parse(path: PathLike) -> tuple[str, str]:
         if parts.netloc not in ("", "localhost"):
             raise UnsupportedLocationError(f"{text}: file:// URLs must name a local path (file:///path)")
         return "file", unquote(parts.path)
-    hint = " (object storage is not supported by this version of shardsafe)" if scheme in (
-        "s3", "gs", "gcs", "az", "abfs", "abfss", "hdfs", "http", "https") else ""
+    if scheme == "s3":
+        parts = urlsplit(text)
+        if not parts.netloc:
+            raise UnsupportedLocationError(f"{text}: an s3:// URL names a bucket: s3://bucket/prefix")
+        return "s3", f"s3://{parts.netloc}{parts.path}".rstrip("/")
+    hint = " (object storage: only s3:// and S3-compatible servers are supported)" if scheme in (
+        "gs", "gcs", "az", "abfs", "abfss", "hdfs", "http", "https") else ""
     raise UnsupportedLocationError(
-        f"unsupported URL scheme {scheme!r} in {text!r}{hint}: use a local path or a file:// URL")
+        f"unsupported URL scheme {scheme!r} in {text!r}{hint}: use a local path, a file:// or an s3:// URL")
 
 
 def default_backends() -> dict[str, Backend]:
@@ -53,10 +59,25 @@ def default_backends() -> dict[str, Backend]:
     return {"file": LocalBackend()}
 
 
-def resolve(path: PathLike, backends: dict[str, Backend]) -> tuple[Backend, str]:
-    """The backend for ``path`` (from ``backends``, by scheme) and its location there."""
+def make_backend(scheme: str, options: dict | None = None) -> Backend:
+    """A backend for ``scheme`` built on first use (``s3``: needs ``shardsafe[s3]``)."""
+    if scheme == "s3":
+        try:
+            from .s3 import S3Backend
+        except ImportError as exc:
+            raise UnsupportedLocationError(
+                f"s3:// locations need the S3 client: pip install 'shardsafe[s3]' ({exc})") from None
+        return S3Backend(options)
+    raise UnsupportedLocationError(f"no storage backend for {scheme}:// locations")
+
+
+def resolve(path: PathLike, backends: dict[str, Backend], options: dict | None = None) -> tuple[Backend, str]:
+    """The backend for ``path`` (from ``backends`` by scheme, else built with ``options``
+    and added to ``backends``) and its location there."""
     scheme, location = parse(path)
     backend = backends.get(scheme)
+    if backend is None and scheme == "s3":
+        backend = backends[scheme] = make_backend(scheme, options)
     if backend is None:
         raise UnsupportedLocationError(f"no storage backend for {scheme}:// locations ({os.fspath(path)!r})")
     if location == "":

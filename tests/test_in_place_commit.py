@@ -1,0 +1,123 @@
+"""The commit policy of backends without folder renames (object stores), exercised on the
+local disk through the fault backend acting like one (``renames=False``): data files go
+straight into the checkpoint folder under names unique to the save, the manifest is
+published last, the replaced checkpoint's files are deleted after it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import dist_cases
+import shardsafe
+from shardsafe.storage.faults import Fault, FaultyBackend
+
+assert_bitwise = dist_cases.assert_bitwise
+
+
+@pytest.fixture
+def cp():
+    checkpointer = shardsafe.Checkpointer(storage=FaultyBackend(renames=False))
+    yield checkpointer
+    checkpointer.close()
+
+
+def state(v: float) -> dict:
+    return {"w": torch.full((1000,), v), "n": {"b": torch.arange(5) + int(v)}, "tag": str(v)}
+
+
+def test_save_overwrite_load(cp, tmp_path):
+    path = tmp_path / "ck"
+    cp.save(state(1.0), path)
+    first = sorted(os.listdir(path))
+    assert first[-1] == "manifest.json" and first[0].startswith("data-r00000-00.") and len(first) == 2
+    with pytest.raises(shardsafe.CheckpointExistsError):
+        cp.save(state(2.0), path)
+    cp.save(state(2.0), path, overwrite=True)
+    second = sorted(os.listdir(path))
+    assert len(second) == 2 and second[0] != first[0], "the replaced checkpoint's files are deleted"
+    assert_bitwise(state(2.0), cp.load_full(path))
+    dest = state(0.0)
+    cp.load(dest, path)
+    assert_bitwise(state(2.0), dest)
+    assert not [p for p in tmp_path.iterdir() if p.name != "ck"]
+
+
+def test_failed_save_leaves_the_previous_checkpoint(cp, tmp_path):
+    path = tmp_path / "ck"
+    cp.save(state(1.0), path)
+    before = sorted(os.listdir(path))
+    bad = shardsafe.Checkpointer(storage=FaultyBackend(renames=False, faults=[Fault("write", errno.ENOSPC, skip=1)]))
+    with pytest.raises(shardsafe.StorageError):
+        bad.save(state(2.0), path, overwrite=True)
+    bad.close()
+    assert sorted(os.listdir(path)) == before, "the failed save's own files are removed, nothing else"
+    assert_bitwise(state(1.0), cp.load_full(path))
+
+
+def test_killed_save_leftovers_are_cleaned_when_stale(cp, tmp_path):
+    path = tmp_path / "ck"
+    cp.save(state(1.0), path)
+    orphan = path / "data-r00000-00.deadbeef0000.safetensors"  # a killed save's file
+    orphan.write_bytes(b"x" * 10)
+    cp.save(state(2.0), path, overwrite=True)
+    assert orphan.exists(), "a fresh one may belong to a live save"
+    old = time.time() - 7 * 3600
+    os.utime(orphan, (old, old))
+    cp.save(state(3.0), path, overwrite=True)
+    assert not orphan.exists()
+    assert_bitwise(state(3.0), cp.load_full(path))
+
+
+def test_loads_racing_overwrites_see_one_whole_checkpoint(cp, tmp_path):
+    path = tmp_path / "ck"
+    cp.save(state(1.0), path)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    count = [0]
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            cp.save(state(float(i % 2 + 1)), path, overwrite=True)
+            i += 1
+
+    def reader() -> None:
+        other = shardsafe.Checkpointer(storage=FaultyBackend(renames=False))
+        try:
+            while not stop.is_set():
+                got = other.load_full(path)
+                assert_bitwise(state(float(got["tag"])), got)
+                count[0] += 1
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            other.close()
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    threading.Event().wait(2.0)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:1]
+    assert count[0] > 5
+
+
+def test_manager_retention_in_place(tmp_path):
+    cp = shardsafe.Checkpointer(storage=FaultyBackend(renames=False))
+    with shardsafe.CheckpointManager(tmp_path, interval=1, keep_last=2, checkpointer=cp) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, state(float(step)))
+        assert mgr.steps() == [3, 4]
+        dest = state(0.0)
+        assert mgr.load(dest) == 4
+    assert_bitwise(state(4.0), dest)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000004"]
+    cp.close()
