@@ -94,3 +94,21 @@ def save_differing_replica(rank: int, world: int, path: str) -> dict:
         refused = str(exc)
     info = shardsafe.save(state, path + "-unchecked", check_replicas=False)
     return {"refused": refused, "bytes": info.bytes_written}
+
+
+def _bcast_state() -> dict:
+    torch.manual_seed(0)
+    return {"big": torch.randn(1 << 16), "w": torch.randn(300, 7), "t": torch.arange(10), "step": 3}
+
+
+def save_for_broadcast(rank: int, world: int, path: str) -> None:
+    shardsafe.save(_bcast_state(), path)
+
+
+def load_broadcast(rank: int, world: int, path: str, broadcast: bool) -> dict:
+    state = _bcast_state()
+    dest = {"big": torch.zeros(1 << 16), "w": torch.zeros(7, 300).t(), "t": torch.zeros(10, dtype=torch.int64),
+            "step": 0}
+    info = shardsafe.load(dest, path, broadcast_replicated=broadcast)
+    ok = all(torch.equal(dest[k], state[k]) for k in ("big", "w", "t")) and dest["step"] == 3
+    return {"ok": ok, "read": info.bytes_copied, "received": info.bytes_received}

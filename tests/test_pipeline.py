@@ -436,3 +436,17 @@ def test_check_replicas_names_the_key_and_ranks(pg_pool, tmp_path):
         assert "tensor 'w'" in r["refused"] and "ranks [0]" in r["refused"] and "ranks [1]" in r["refused"], r
     assert not (tmp_path / "ck").exists()
     assert torch.equal(shardsafe.load_full(tmp_path / "ck-unchecked")["w"], torch.zeros(4))
+
+
+def test_load_broadcasts_replicated_tensors(pg_pool, tmp_path):
+    """broadcast_replicated: each replicated tensor is read from storage by one rank and
+    sent to the others; the bytes read over all ranks are the checkpoint's once."""
+    path = str(tmp_path / "ck")
+    pg_pool(4).run(pipeline_cases.save_for_broadcast, path)
+    plain = pg_pool(4).run(pipeline_cases.load_broadcast, path, False)
+    shared = pg_pool(4).run(pipeline_cases.load_broadcast, path, True)
+    assert all(r["ok"] for r in plain + shared)
+    total = (1 << 16) * 4 + 300 * 7 * 4 + 10 * 8
+    assert [r["read"] for r in plain] == [total] * 4 and all(r["received"] == 0 for r in plain)
+    assert sum(r["read"] for r in shared) == total
+    assert all(r["read"] + r["received"] == total for r in shared)

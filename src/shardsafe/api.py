@@ -66,7 +66,8 @@ def wait_for_pending() -> SaveInfo | None:
 
 def load(state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, verify: bool = True,
          process_group: Any = None, max_buffer: int = DEFAULT_MAX_BUFFER,
-         exclude: list[str] | tuple[str, ...] = (), cast_dtype: bool = False) -> LoadInfo:
+         exclude: list[str] | tuple[str, ...] = (), cast_dtype: bool = False,
+         broadcast_replicated: bool | None = None) -> LoadInfo:
     """Load the checkpoint at ``path`` into ``state_dict`` in place, on one process or on
     every rank of a process group, whatever world size or layout saved it.
 
@@ -77,9 +78,15 @@ def load(state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, ver
     destination untouched; every rank raises the same error. Dotted keys or prefixes in
     ``exclude`` are left as they are in the destination (and may be missing from the
     checkpoint). A saved dtype that differs from the destination's is an error, unless
-    ``cast_dtype=True`` (then the values are converted as ``Tensor.copy_`` converts)."""
+    ``cast_dtype=True`` (then the values are converted as ``Tensor.copy_`` converts).
+
+    ``broadcast_replicated``: on a process group, each replicated tensor that every rank
+    needs whole is read (and verified) by one rank and sent to the others, so storage is
+    read once whatever the number of replicas (default: on for object stores, off for
+    local paths)."""
     return default_checkpointer().load(state_dict, path, strict=strict, verify=verify, process_group=process_group,
-                                       max_buffer=max_buffer, exclude=exclude, cast_dtype=cast_dtype)
+                                       max_buffer=max_buffer, exclude=exclude, cast_dtype=cast_dtype,
+                                       broadcast_replicated=broadcast_replicated)
 
 
 def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True,

@@ -233,24 +233,28 @@ class Checkpointer:
 
     def load(self, state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, verify: bool = True,
              process_group: Any = None, max_buffer: int = DEFAULT_MAX_BUFFER,
-             exclude: list[str] | tuple[str, ...] = (), cast_dtype: bool = False) -> LoadInfo:
+             exclude: list[str] | tuple[str, ...] = (), cast_dtype: bool = False,
+             broadcast_replicated: bool | None = None) -> LoadInfo:
         """Load the checkpoint at ``path`` into ``state_dict`` in place; see :func:`shardsafe.load`."""
         self._check_open()
         comm = resolve(process_group)
         backend, location = self.locate(path)
+        bcast = backend.remote if broadcast_replicated is None else broadcast_replicated
         for attempt in range(LOAD_RETRIES):
             try:
                 with active_group(comm.group, comm.rank, comm.world):
                     return self._load_once(state_dict, backend, location, comm, strict, verify, max_buffer, exclude,
-                                           cast_dtype)
+                                           cast_dtype, bcast and comm.distributed)
             except CheckpointChangedError:
                 if attempt == LOAD_RETRIES - 1:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _load_once(self, state_dict: dict[str, Any], backend: Backend, location: str, comm: Comm, strict: bool,
-                   verify: bool, max_buffer: int, exclude: Any, cast_dtype: bool = False) -> LoadInfo:
+                   verify: bool, max_buffer: int, exclude: Any, cast_dtype: bool = False,
+                   broadcast: bool = False) -> LoadInfo:
         t0 = time.perf_counter()
+        retries0 = backend.retries
         max_buffer = self.memory.fits(max_buffer)
         error: BaseException | None = None
         opened: Opened | None = None
@@ -267,19 +271,30 @@ class Checkpointer:
             matcher.match(state_dict, manifest.tree, [], top=True)
             result = matcher.result
             result.raise_errors()
-            plan = plan_phase(manifest, result.fills, verify=verify, verify_fresh_first=True, max_buffer=max_buffer)
-            files = OpenFiles(opened.folder, manifest, digest=opened.digest)
-            open_files_phase(files, plan)
-            reader = Reader(files, self.memory, self.read_threads)
-            verified = plan.verify_with(reader)
         except Exception as exc:  # noqa: BLE001 - agreed on by every rank below
+            error = exc
+        # Replicated tensors every rank needs whole: one rank reads each, then sends it.
+        shared = broadcast_plan(comm, result.fills if error is None and result else None,
+                                opened.manifest if opened else None) if broadcast else {}
+        mine = [] if result is None else [
+            f for i, f in enumerate(result.fills) if shared.get(i, comm.rank) == comm.rank]
+        try:
+            if error is None:
+                assert opened is not None
+                plan = plan_phase(opened.manifest, mine, verify=verify, verify_fresh_first=True,
+                                  max_buffer=max_buffer)
+                files = OpenFiles(opened.folder, opened.manifest, digest=opened.digest)
+                open_files_phase(files, plan)
+                reader = Reader(files, self.memory, self.read_threads)
+                verified = plan.verify_with(reader)
+        except Exception as exc:  # noqa: BLE001
             error = exc
         try:
             comm.agree(error, opened.digest if opened is not None else None, f" at {location}")
             copied = 0
             try:
                 assert reader is not None and plan is not None and result is not None and opened is not None
-                copied = land_phase(reader, plan, result.fills, max_buffer, block_size(opened.manifest))
+                copied = land_phase(reader, plan, mine, max_buffer, block_size(opened.manifest))
             except Exception as exc:  # noqa: BLE001
                 error = exc
             comm.agree(error)
@@ -288,6 +303,13 @@ class Checkpointer:
                 files.close()
             if opened is not None:
                 opened.close()
+        assert result is not None
+        received = 0
+        for i in sorted(shared):  # the same order on every rank
+            fill = result.fills[i]
+            comm.broadcast_tensor(fill.tensor, shared[i])
+            if shared[i] != comm.rank:
+                received += fill.tensor.numel() * fill.tensor.element_size()
         error = None
         try:
             apply_phase(result)
@@ -295,7 +317,8 @@ class Checkpointer:
             error = exc
         comm.agree(error)
         return LoadInfo(location, verified if verify else copied, len({f.key for f in result.fills}),
-                        time.perf_counter() - t0, copied)
+                        time.perf_counter() - t0, copied, bytes_received=received,
+                        retries=backend.retries - retries0)
 
     def load_full(self, path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True,
                   rank: int = 0) -> dict[str, Any]:
@@ -380,6 +403,35 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def broadcast_plan(comm: Comm, fills: list | None, manifest: Any) -> dict[int, int]:
+    """{fill index: the group rank that reads it} for the fills every rank needs whole from
+    a replicated saved tensor (DDP weights, replicated DTensors), the bytes balanced over
+    ranks; {} unless every rank has the same such fills (one all-reduce decides)."""
+    from .format.checksum import checksum
+
+    cands: list[tuple[int, str, int]] = []
+    if fills is not None and manifest is not None:
+        for i, f in enumerate(fills):
+            entry = manifest.tensors.get(f.key)
+            if entry is None or entry.kind != "replicated" or f.fresh or f.cast:
+                continue
+            if f.box.offsets != (0,) * len(entry.shape) or f.box.lengths != tuple(entry.shape):
+                continue
+            if f.tensor.device.type != "cpu" and comm.distributed and comm._device() == "cpu":
+                continue  # gloo sends CPU tensors only
+            cands.append((i, f.key, f.tensor.numel() * f.tensor.element_size()))
+    digest = int(checksum(repr([(k, n) for _, k, n in cands]).encode()), 16) if fills is not None else -1
+    if not comm.same(digest) or not cands:
+        return {}
+    load = [0] * comm.world
+    out: dict[int, int] = {}
+    for i, _, n in sorted(cands, key=lambda c: (-c[2], c[1])):
+        r = load.index(min(load))
+        out[i] = r
+        load[r] += n
+    return out
 
 
 def _finish_async(prep: PreparedSave, writer: FileWriter | None, error: BaseException | None,

@@ -80,6 +80,33 @@ class Comm:
             raise rebuild(found) from error
         raise CheckpointError(f"rank {first} failed") from error
 
+    def same(self, value: int) -> bool:
+        """True when every rank passed the same 64-bit ``value`` (one all-reduce)."""
+        if not self.distributed:
+            return True
+        import torch
+
+        d = value & ((1 << 64) - 1)
+        hi, lo = d >> 32, d & 0xFFFFFFFF
+        vals = torch.tensor([hi, lo, -hi, -lo], dtype=torch.int64, device=self._device())
+        dist.all_reduce(vals, op=dist.ReduceOp.MIN, group=self.group)
+        a, b, c, e = (int(v) for v in vals.cpu())
+        return a == -c and b == -e
+
+    def broadcast_tensor(self, t: Any, src: int) -> None:
+        """Group rank ``src``'s ``t`` into ``t`` on every rank (contiguous tensors in place,
+        others through a contiguous copy)."""
+        if not self.distributed:
+            return
+        root = dist.get_global_rank(self.group, src)
+        if t.is_contiguous():
+            dist.broadcast(t, src=root, group=self.group)
+            return
+        tmp = t.contiguous()
+        dist.broadcast(tmp, src=root, group=self.group)
+        if self.rank != src:
+            t.copy_(tmp)
+
     def broadcast_ints(self, values: list[int] | None, count: int) -> list[int]:
         """Rank 0's ``count`` int64 values on every rank (a plain tensor broadcast)."""
         if not self.distributed:

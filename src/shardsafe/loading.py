@@ -30,13 +30,16 @@ from .storage.base import Backend, Folder
 @dataclass
 class LoadInfo:
     """What a load did on this rank. ``bytes_read``: distinct bytes of data files touched
-    (verified checksum blocks included); ``bytes_copied``: bytes landed in the destination."""
+    (verified checksum blocks included); ``bytes_copied``: bytes landed from storage;
+    ``bytes_received``: bytes sent by other ranks (``broadcast_replicated``)."""
 
     path: Path | str
     bytes_read: int
     tensors: int
     seconds: float
     bytes_copied: int = 0
+    bytes_received: int = 0  # bytes of replicated tensors received from the rank that read them
+    retries: int = 0  # storage requests retried after transient failures
 
 
 def block_size(manifest: Manifest) -> int:

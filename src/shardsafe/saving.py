@@ -68,6 +68,7 @@ class SaveInfo:
     tensors: int
     seconds: float
     plan_cached: bool = False
+    retries: int = 0  # storage requests retried after transient failures (this rank)
 
 
 # ----------------------------------------------------------------------------- describe
@@ -199,6 +200,8 @@ class PreparedSave:
     overwrite: bool
     target: SaveTarget | None = None  # rank 0 holds the target (its lock) until the save ends
     staging: Folder | None = None
+    backend: Backend | None = None
+    retries0: int = 0
 
 
 def replica_digests(described: Described) -> dict[tuple[str, Box], str]:
@@ -240,6 +243,7 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
     """Phases 1 and 2 (one all_gather, a second only when trees differ): describe, agree
     on errors, merge the value trees, plan. Raises the same error on every rank."""
     t0 = time.perf_counter()
+    retries0 = backend.retries
     parent_location, _ = backend.split(location)
     error: BaseException | None = None
     described: Described | None = None
@@ -289,7 +293,7 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
             target.parent.close()
         raise
     return PreparedSave(comm, location, parent_location, tmp, plan, cached, mine_file, described, tree, t0,
-                        overwrite, target, staging)
+                        overwrite, target, staging, backend, retries0)
 
 
 def _open_staging(backend: Backend, parent_location: str, tmp: str) -> Folder:
@@ -411,7 +415,7 @@ def _finish(prep: PreparedSave, results: list[FileResult], error: BaseException 
         raise rebuild(status) from error
     mine = sum(e.nbytes for e, _ in results)
     return SaveInfo(prep.location, mine, len(results), len(described.flat.tensors), time.perf_counter() - prep.t0,
-                    prep.plan_cached)
+                    prep.plan_cached, prep.backend.retries - prep.retries0 if prep.backend is not None else 0)
 
 
 def build_manifest(plan: GlobalPlan, collected: list, tree: Any, world: int) -> Manifest:

@@ -207,6 +207,7 @@ class Backend(ABC):
     stores); saves and loads report its growth in ``SaveInfo`` / ``LoadInfo``."""
 
     retries: int = 0
+    remote: bool = False  # reads cross a network (an object store): loads broadcast replicated tensors by default
 
     @abstractmethod
     def open(self, location: str, create: bool = False) -> Folder:
