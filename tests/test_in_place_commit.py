@@ -121,3 +121,27 @@ def test_manager_retention_in_place(tmp_path):
     assert_bitwise(state(4.0), dest)
     assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000004"]
     cp.close()
+
+
+def test_copy_between_backends_verifies_and_commits_last(tmp_path):
+    """shardsafe copy: local -> in-place store -> local, bitwise; a corrupt block stops the
+    copy before anything is committed at the destination."""
+    from shardsafe.tools import copy_checkpoint
+    from shardsafe.tools.cli import main
+
+    shardsafe.save(state(1.0), tmp_path / "a")
+    store = shardsafe.Checkpointer(storage={"file": FaultyBackend(renames=False)})
+    report = copy_checkpoint(tmp_path / "a", tmp_path / "b", checkpointer=store)
+    assert report.files == 1 and report.bytes > 4000
+    assert any(n.startswith("data-r00000-00.") and n != "data-r00000-00.safetensors"
+               for n in os.listdir(tmp_path / "b")), "in place: per-copy file names"
+    store.close()
+    assert main(["copy", str(tmp_path / "b"), str(tmp_path / "c")]) == 0
+    assert_bitwise(state(1.0), shardsafe.load_full(tmp_path / "c"))
+    data = next((tmp_path / "a").glob("data-*"))
+    raw = bytearray(data.read_bytes())
+    raw[-10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(shardsafe.CorruptCheckpointError, match="checksum mismatch"):
+        copy_checkpoint(tmp_path / "a", tmp_path / "d")
+    assert not (tmp_path / "d").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

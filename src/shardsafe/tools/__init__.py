@@ -20,6 +20,7 @@ _WHERE: dict[str, str] = {
     "StepEntry": ".listing", "list_checkpoints": ".listing",
     "LayoutBox": ".picture", "layout_boxes": ".picture", "layout_png": ".picture", "layout_text": ".picture",
     "Problem": ".verify", "VerifyReport": ".verify", "verify_checkpoint": ".verify",
+    "CopyReport": ".copy", "copy_checkpoint": ".copy",
 }
 
 __all__ = [
@@ -33,6 +34,8 @@ __all__ = [
     "compare_tensors",
     "export_checkpoint",
     "import_checkpoint",
+    "copy_checkpoint",
+    "CopyReport",
     "StepEntry",
     "Inspection",
     "LayoutBox",
@@ -62,6 +65,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .common import UsageError, parse_size
+    from .copy import CopyReport, copy_checkpoint
     from .diff import DiffReport, compare_tensors, diff_checkpoints
     from .export import ExportReport, export_checkpoint
     from .import_ import ImportReport, import_checkpoint

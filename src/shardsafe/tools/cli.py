@@ -122,6 +122,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="store the imported state under the key NAME (e.g. model); hf: the configs are stored "
                         "beside it as hf_config and hf_generation_config")
     s.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint")
+
+    s = sub.add_parser("copy", parents=[common], help="copy a checkpoint between locations (local, s3://)",
+                       description="Copy the checkpoint SRC to DST, streaming: every block's checksum is verified "
+                                   "before its bytes are written, and DST is committed last, as a save commits "
+                                   "(a failed copy leaves no checkpoint at DST). SRC and DST are paths, file:// or "
+                                   "s3:// URLs.", epilog=_EPILOG)
+    s.add_argument("src", help="the checkpoint to copy (path or URL)")
+    s.add_argument("dst", help="where to create the copy (path or URL)")
+    s.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
     return p
 
 
@@ -204,6 +213,12 @@ def _run(args: argparse.Namespace) -> int:
         ir = import_checkpoint(args.src, args.out, source=args.source, trust_pickle=args.trust_pickle,
                                prefix=args.prefix, overwrite=args.overwrite, progress=progress)
         _emit(args, {"ok": True, **ir.to_json()}, ir.to_text())
+        return EXIT_OK
+    if args.command == "copy":
+        from .copy import copy_checkpoint
+
+        cr = copy_checkpoint(args.src, args.dst, overwrite=args.overwrite)
+        _emit(args, {"ok": True, **cr.to_json()}, cr.to_text())
         return EXIT_OK
     raise _Usage(f"unknown command {args.command!r}")  # pragma: no cover - argparse refuses it first
 
