@@ -145,3 +145,20 @@ def test_copy_between_backends_verifies_and_commits_last(tmp_path):
     with pytest.raises(shardsafe.CorruptCheckpointError, match="checksum mismatch"):
         copy_checkpoint(tmp_path / "a", tmp_path / "d")
     assert not (tmp_path / "d").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("to", ["safetensors", "hf", "torch"])
+def test_export_to_an_object_store_location(tmp_path, to):
+    from shardsafe.tools import export_checkpoint
+
+    shardsafe.save(state(1.0), tmp_path / "a")
+    store = shardsafe.Checkpointer(storage={"file": FaultyBackend(renames=False)})
+    for _ in range(2):  # the second replaces the first
+        export_checkpoint(tmp_path / "a", tmp_path / f"out-{to}", to, keys=["w", "n"], checkpointer=store,
+                          overwrite=True)
+    store.close()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    if to == "safetensors":
+        from safetensors.torch import load_file
+
+        assert torch.equal(load_file(str(tmp_path / "out-safetensors"))["w"], state(1.0)["w"])

@@ -106,7 +106,9 @@ class Output:
     """An output entry (file or folder) of a tool, built under a hidden temporary name
     beside ``out`` and published atomically by :meth:`publish` (replacing what was there
     only with ``overwrite``); :meth:`abort` removes the temporary entry. All through the
-    storage seam of ``checkpointer``."""
+    storage seam of ``checkpointer``. On a backend without renames (an object store) the
+    output is written in place under its own name instead (an older output there is
+    deleted first; a failed export leaves nothing)."""
 
     def __init__(self, checkpointer: Checkpointer, out: PathLike, overwrite: bool, what: str) -> None:
         backend, location = checkpointer.locate(out)
@@ -117,7 +119,10 @@ class Output:
         if self.parent.kind(self.name) is not None and not overwrite:
             self.parent.close()
             raise UsageError(f"{location} already exists; pass --overwrite to replace it or choose another {what}")
-        self.tmp = hidden_name(self.name, TMP_MARK)
+        self.in_place = not self.parent.can_rename
+        self.tmp = self.name if self.in_place else hidden_name(self.name, TMP_MARK)
+        if self.in_place and self.parent.kind(self.name) is not None:
+            self.parent.remove_tree(self.name)
 
     def folder(self) -> Folder:
         """The temporary folder to build a folder output in (created)."""
@@ -134,7 +139,8 @@ class Output:
 
     def publish(self) -> None:
         """Put the finished temporary entry at the output's name."""
-        publish(self.parent, self.tmp, self.name)
+        if not self.in_place:
+            publish(self.parent, self.tmp, self.name)
 
     def abort(self) -> None:
         """Remove the temporary entry (never raises)."""
