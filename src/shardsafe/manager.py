@@ -46,9 +46,16 @@ TORCHTITAN_ONLY = ("initial_load_path", "initial_load_in_hf", "initial_load_in_h
                    "create_seed_checkpoint")
 
 
-def step_dir(folder: PathLike, step: int) -> Path:
-    """The folder of ``step``: ``FOLDER/step-00000500``."""
-    return Path(folder) / step_name(step)
+def step_dir(folder: PathLike, step: int) -> Path | str:
+    """The folder of ``step``: ``FOLDER/step-00000500`` (a Path, or a string for URLs)."""
+    return _join(folder, step_name(step))
+
+
+def _join(folder: PathLike, name: str) -> Path | str:
+    text = os.fspath(folder)
+    if "://" in text:  # a URL: Path would fold "s3://" into "s3:/"
+        return text.rstrip("/") + "/" + name
+    return Path(text) / name
 
 
 @dataclass
@@ -166,7 +173,7 @@ class CheckpointManager:
             folder=str(folder), enable=enable, interval=interval, keep_last=keep_last, keep_every=keep_every,
             keep_best=keep_best, metric=metric, mode=mode, load_only=load_only, async_mode=async_mode,
             max_staging_bytes=max_staging_bytes, exclude_from_loading=list(exclude_from_loading))
-        self.folder = Path(folder)
+        self.folder: Path | str = folder if "://" in os.fspath(folder) else Path(folder)
         self.process_group = process_group
         self.checkpointer = checkpointer if checkpointer is not None else Checkpointer(
             pin_memory=self.config.async_mode == "async_pinned")
@@ -231,7 +238,7 @@ class CheckpointManager:
         count = comm.broadcast_ints([len(mine)] if mine is not None else None, 1)[0]
         return comm.broadcast_ints(mine, count) if count else []
 
-    def path(self, step: int) -> Path:
+    def path(self, step: int) -> Path | str:
         """The folder of ``step`` in this manager's folder."""
         return step_dir(self.folder, step)
 
@@ -400,7 +407,7 @@ class CheckpointManager:
         from .comm import describe, rebuild
 
         self._complete_pending()
-        out = Path(path) if path is not None else self.folder / "final"
+        out = path if path is not None else _join(self.folder, "final")
         comm = resolve(self.process_group)
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if dtype is None:
@@ -428,7 +435,7 @@ class CheckpointManager:
                 raise error if error is not None else rebuild(status)
             sharded = comm.broadcast_ints([int(first == hf_folder.INDEX_NAME)] if comm.rank == 0 else None, 1)[0]
             first = hf_folder.INDEX_NAME if sharded else hf_folder.SINGLE_NAME
-        return out / first
+        return _join(out, first)
 
     # -- lifecycle --------------------------------------------------------------------
     def close(self) -> None:
