@@ -39,3 +39,28 @@ def pg_pool():
     pools = Pools()
     yield pools
     pools.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 server (moto, over HTTP on 127.0.0.1) for the whole session (see s3_server.py)."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto.server")
+    from s3_server import MotoS3
+
+    server = MotoS3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server):
+    """``(server, bucket, storage_options)``: a fresh bucket on the session's S3 server,
+    emptied and deleted after the test."""
+    from s3_server import KEY, REGION
+
+    bucket = s3_server.new_bucket()
+    options = {"endpoint": s3_server.endpoint, "key": KEY, "secret": KEY, "region": REGION,
+               "retry_backoff": 0.01, "max_backoff": 0.2}
+    yield s3_server, bucket, options
+    s3_server.drop_bucket(bucket)

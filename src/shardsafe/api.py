@@ -2,6 +2,11 @@
 ``read_manifest`` and ``wait_for_pending``, each on a default :class:`Checkpointer`
 (created on first use). Use a :class:`Checkpointer` of your own to choose the memory
 budget, I/O threads or storage backend, or to keep several jobs' state apart.
+
+Every function takes a path or URL (``s3://bucket/prefix`` needs ``shardsafe[s3]``) and a
+``storage_options`` mapping for object stores (endpoint, region, credentials, retries,
+part size; see ``shardsafe.storage.s3.parse_options``). Without it, they come from the
+usual AWS environment variables.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ def default_checkpointer() -> Checkpointer:
 
 
 def save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False, process_group: Any = None,
-         check_replicas: bool | None = None) -> SaveInfo:
+         check_replicas: bool | None = None, storage_options: dict[str, Any] | None = None) -> SaveInfo:
     """Save ``state_dict`` as a checkpoint folder at ``path``, crash-safely.
 
     With a process group (default: the world group when initialized) every rank calls
@@ -43,11 +48,12 @@ def save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
     they differ (default: the SHARDSAFE_CHECK_REPLICAS environment variable; it costs one
     hash pass over the replicated bytes)."""
     return default_checkpointer().save(state_dict, path, overwrite=overwrite, process_group=process_group,
-                                       check_replicas=check_replicas)
+                                       check_replicas=check_replicas, storage_options=storage_options)
 
 
 def async_save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False, process_group: Any = None,
-               max_staging_bytes: int | None = None, check_replicas: bool | None = None) -> SaveFuture:
+               max_staging_bytes: int | None = None, check_replicas: bool | None = None,
+               storage_options: dict[str, Any] | None = None) -> SaveFuture:
     """Save like :func:`save`, but return once the state is staged in host memory; the
     write and commit run in the background. All ranks call it.
 
@@ -56,7 +62,8 @@ def async_save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = 
     kept for later saves. At most one async save per Checkpointer is in flight: a new one
     first waits for the previous one, and raises its error if it failed unobserved."""
     return default_checkpointer().async_save(state_dict, path, overwrite=overwrite, process_group=process_group,
-                                             max_staging_bytes=max_staging_bytes, check_replicas=check_replicas)
+                                             max_staging_bytes=max_staging_bytes, check_replicas=check_replicas,
+                                             storage_options=storage_options)
 
 
 def wait_for_pending() -> SaveInfo | None:
@@ -67,7 +74,7 @@ def wait_for_pending() -> SaveInfo | None:
 def load(state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, verify: bool = True,
          process_group: Any = None, max_buffer: int = DEFAULT_MAX_BUFFER,
          exclude: list[str] | tuple[str, ...] = (), cast_dtype: bool = False,
-         broadcast_replicated: bool | None = None) -> LoadInfo:
+         broadcast_replicated: bool | None = None, storage_options: dict[str, Any] | None = None) -> LoadInfo:
     """Load the checkpoint at ``path`` into ``state_dict`` in place, on one process or on
     every rank of a process group, whatever world size or layout saved it.
 
@@ -86,29 +93,29 @@ def load(state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, ver
     local paths)."""
     return default_checkpointer().load(state_dict, path, strict=strict, verify=verify, process_group=process_group,
                                        max_buffer=max_buffer, exclude=exclude, cast_dtype=cast_dtype,
-                                       broadcast_replicated=broadcast_replicated)
+                                       broadcast_replicated=broadcast_replicated, storage_options=storage_options)
 
 
 def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True,
-              rank: int = 0) -> dict[str, Any]:
+              rank: int = 0, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A fresh tree of full CPU tensors and values from the checkpoint at ``path``
     (rank-local values: those of saving rank ``rank``). Needs no process group.
 
     ``keys`` restricts the result to the given dotted keys or key prefixes (for example
     ``"model"`` or ``"model.layers.0.weight"``); a key that matches nothing raises
     MissingKeysError. A list partly selected comes back as a dict keyed by index."""
-    return default_checkpointer().load_full(path, keys, verify=verify, rank=rank)
+    return default_checkpointer().load_full(path, keys, verify=verify, rank=rank, storage_options=storage_options)
 
 
-def delete(path: PathLike) -> bool:
+def delete(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> bool:
     """Delete the checkpoint at ``path`` crash-safely (readers never see it half deleted);
     False when there was none. Anything that is not a checkpoint is refused, not deleted."""
-    return default_checkpointer().delete(path)
+    return default_checkpointer().delete(path, storage_options)
 
 
-def read_manifest(path: PathLike) -> Manifest:
+def read_manifest(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Manifest:
     """Parse and verify the manifest of the committed checkpoint at ``path``."""
-    return default_checkpointer().read_manifest(path)
+    return default_checkpointer().read_manifest(path, storage_options)
 
 
 __all__ = ["CHECKSUM_BLOCK", "Checkpointer", "LoadInfo", "SaveFuture", "SaveInfo", "async_save", "delete",

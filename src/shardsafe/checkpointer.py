@@ -11,6 +11,7 @@ async save in flight, and wires the phases of ``saving`` and ``loading`` to the 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import threading
 import time
@@ -45,7 +46,7 @@ from .state.context import active_group
 from .state.match import Matcher
 from .state.saved import check_tree, select
 from .storage.base import Backend
-from .storage.urls import default_backends
+from .storage.urls import OBJECT_SCHEMES, default_backends
 from .storage.urls import resolve as resolve_location
 
 PathLike = str | os.PathLike
@@ -115,6 +116,7 @@ class Checkpointer:
         else:
             self.backends = default_backends()
         self.storage_options = dict(storage_options or {})
+        self._option_backends: dict[str, dict[str, Backend]] = {}  # per set of call-time storage_options
         cpus = os.cpu_count() or 1
         self.memory = HostMemory(memory_budget)
         self.write_threads = _threads(write_threads, min(2, cpus))
@@ -127,9 +129,18 @@ class Checkpointer:
         _LIVE.add(self)
 
     # -- locations ----------------------------------------------------------------------
-    def locate(self, path: PathLike) -> tuple[Backend, str]:
-        """The backend for ``path`` and the location there (unsupported URLs raise)."""
-        return resolve_location(path, self.backends, self.storage_options)
+    def locate(self, path: PathLike, storage_options: dict[str, Any] | None = None) -> tuple[Backend, str]:
+        """The backend for ``path`` and the location there (unsupported URLs raise).
+        ``storage_options`` (for object-store URLs) override this Checkpointer's for this
+        call; a backend is built once per distinct set of options and kept."""
+        if not storage_options:
+            return resolve_location(path, self.backends, self.storage_options)
+        key = json.dumps({**self.storage_options, **storage_options}, sort_keys=True, default=str)
+        backends = self._option_backends.setdefault(key, dict(self.backends))
+        for scheme in OBJECT_SCHEMES:
+            if backends.get(scheme) is self.backends.get(scheme):
+                backends.pop(scheme, None)  # built anew with these options
+        return resolve_location(path, backends, {**self.storage_options, **storage_options})
 
     def _check_open(self) -> None:
         if self._closed:
@@ -137,11 +148,12 @@ class Checkpointer:
 
     # -- saving -------------------------------------------------------------------------
     def save(self, state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
-             process_group: Any = None, check_replicas: bool | None = None) -> SaveInfo:
+             process_group: Any = None, check_replicas: bool | None = None,
+             storage_options: dict[str, Any] | None = None) -> SaveInfo:
         """Save ``state_dict`` at ``path`` crash-safely; see :func:`shardsafe.save`."""
         self._check_open()
         comm = resolve(process_group)
-        backend, location = self.locate(path)
+        backend, location = self.locate(path, storage_options)
         with active_group(comm.group, comm.rank, comm.world):
             prep = prepare(state_dict, backend, location, overwrite, comm, self.plans, _check(check_replicas))
         results: list[FileResult] = []
@@ -165,12 +177,12 @@ class Checkpointer:
 
     def async_save(self, state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
                    process_group: Any = None, max_staging_bytes: int | None = None,
-                   check_replicas: bool | None = None) -> SaveFuture:
+                   check_replicas: bool | None = None, storage_options: dict[str, Any] | None = None) -> SaveFuture:
         """Stage ``state_dict`` and write it in the background; see :func:`shardsafe.async_save`."""
         self._check_open()
         self.wait()
         comm = self._async_comm(process_group)
-        backend, location = self.locate(path)
+        backend, location = self.locate(path, storage_options)
         with active_group(resolve(process_group).group, comm.rank, comm.world):
             prep = prepare(state_dict, backend, location, overwrite, comm, self.plans, _check(check_replicas))
         future = SaveFuture(location)
@@ -224,9 +236,9 @@ class Checkpointer:
         return Comm(cached[1], base.rank, base.world)
 
     # -- loading ------------------------------------------------------------------------
-    def read_manifest(self, path: PathLike) -> Manifest:
+    def read_manifest(self, path: PathLike, storage_options: dict[str, Any] | None = None) -> Manifest:
         """Parse and verify the manifest of the committed checkpoint at ``path``."""
-        backend, location = self.locate(path)
+        backend, location = self.locate(path, storage_options)
         opened = read_manifest_phase(backend, location)
         opened.close()
         return opened.manifest
@@ -234,11 +246,11 @@ class Checkpointer:
     def load(self, state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, verify: bool = True,
              process_group: Any = None, max_buffer: int = DEFAULT_MAX_BUFFER,
              exclude: list[str] | tuple[str, ...] = (), cast_dtype: bool = False,
-             broadcast_replicated: bool | None = None) -> LoadInfo:
+             broadcast_replicated: bool | None = None, storage_options: dict[str, Any] | None = None) -> LoadInfo:
         """Load the checkpoint at ``path`` into ``state_dict`` in place; see :func:`shardsafe.load`."""
         self._check_open()
         comm = resolve(process_group)
-        backend, location = self.locate(path)
+        backend, location = self.locate(path, storage_options)
         bcast = backend.remote if broadcast_replicated is None else broadcast_replicated
         for attempt in range(LOAD_RETRIES):
             try:
@@ -321,10 +333,10 @@ class Checkpointer:
                         retries=backend.retries - retries0)
 
     def load_full(self, path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True,
-                  rank: int = 0) -> dict[str, Any]:
+                  rank: int = 0, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
         """A fresh tree of full CPU tensors; see :func:`shardsafe.load_full`."""
         self._check_open()
-        backend, location = self.locate(path)
+        backend, location = self.locate(path, storage_options)
         for attempt in range(LOAD_RETRIES):
             try:
                 return self._load_full_once(backend, location, keys, verify, rank)
@@ -356,13 +368,13 @@ class Checkpointer:
         finally:
             opened.close()
 
-    def delete(self, path: PathLike) -> bool:
+    def delete(self, path: PathLike, storage_options: dict[str, Any] | None = None) -> bool:
         """Delete the checkpoint at ``path`` so that no reader ever sees it half deleted
         (out of sight first, then its files). Returns False when there was none; a folder
         that is not a shardsafe checkpoint is refused (CheckpointError), never deleted."""
         from .checkpoint_folder import delete_checkpoint, is_committed
 
-        backend, location = self.locate(path)
+        backend, location = self.locate(path, storage_options)
         parent_location, name = backend.split(location)
         try:
             parent = backend.open(parent_location)
@@ -377,9 +389,10 @@ class Checkpointer:
             delete_checkpoint(parent, name)
             return True
 
-    def open_reader(self, path: PathLike, *, verify: bool = True, progress: Any = None) -> CheckpointReader:
+    def open_reader(self, path: PathLike, *, verify: bool = True, progress: Any = None,
+                    storage_options: dict[str, Any] | None = None) -> CheckpointReader:
         """A :class:`~shardsafe.loading.CheckpointReader` on the checkpoint at ``path``."""
-        backend, location = self.locate(path)
+        backend, location = self.locate(path, storage_options)
         return CheckpointReader(backend, location, verify=verify, memory=self.memory, threads=self.read_threads,
                                 progress=progress)
 

@@ -18,6 +18,7 @@ from .base import Backend
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 PathLike = str | os.PathLike
+OBJECT_SCHEMES = ("s3",)  # URL schemes whose backend is built from storage_options
 
 
 class UnsupportedLocationError(CheckpointError, ValueError):
