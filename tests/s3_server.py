@@ -83,7 +83,8 @@ class FaultProxy:
     from (``"503"``, ``"reset"``: before the server sees the request, ``"lost"``: the
     server handles it, the client gets a reset); ``fail_next(n, mode)`` fails the next
     ``n`` requests. ``only`` (a substring of the request line, e.g. ``"PUT"`` or
-    ``"uploadId"``) limits failures to matching requests. ``seen`` / ``failed`` count."""
+    ``"uploadId"``) limits failures to matching requests. ``seen`` / ``failed`` count
+    requests, ``bytes_up`` / ``bytes_down`` the bytes relayed each way."""
 
     def __init__(self, upstream_port: int, rate: float = 0.0, modes: tuple[str, ...] = ("503", "reset"),
                  seed: int = 0) -> None:
@@ -94,6 +95,8 @@ class FaultProxy:
         self.rng = random.Random(seed)
         self.forced: list[str] = []
         self.seen = 0
+        self.bytes_up = 0  # request bytes relayed to the server (heads and bodies)
+        self.bytes_down = 0  # response bytes relayed to clients (heads and bodies)
         self.failed: Counter[str] = Counter()
         self.lines: list[str] = []
         self._lock = threading.Lock()
@@ -168,7 +171,10 @@ class FaultProxy:
                 _reset(conn)
                 return
             with socket.create_connection(self.upstream, timeout=60) as up:
-                up.sendall(_close_after(head) + body)
+                request = _close_after(head) + body
+                up.sendall(request)
+                with self._lock:
+                    self.bytes_up += len(request)
                 if mode == "lost":
                     _drain(up)
                     _reset(conn)
@@ -178,6 +184,8 @@ class FaultProxy:
                     if not data:
                         break
                     conn.sendall(data)
+                    with self._lock:
+                        self.bytes_down += len(data)
         except OSError:
             pass
         finally:
