@@ -507,6 +507,9 @@ class S3Backend(Backend):
             except passthrough:
                 raise
             except Exception as exc:
+                if "NoSuchBucket" in str(exc):
+                    bucket = where[5:].partition("/")[0]
+                    raise CheckpointNotFoundError(f"cannot {what} {where}: no bucket {bucket!r}") from exc
                 if not _transient(exc):
                     raise _storage_error(exc, what, where) from exc
                 if attempt >= o.max_retries:
@@ -821,13 +824,20 @@ class _Uploads:
         self.key = folder.key(name)
         self.where = folder.where(name)
         self.upload_id: str | None = None
+        self.strays = False
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         return self.folder.backend.call(what, self.where, fn)
 
     def start(self) -> None:
-        _, _, body = self._call("start the upload of", lambda: self.client.request("POST", self.key, {"uploads": ""},
-                                                                             headers=self.client.create_headers))
+        retried: list[int] = []
+        _, _, body = self.folder.backend.call(
+            "start the upload of", self.where,
+            lambda: self.client.request("POST", self.key, {"uploads": ""}, headers=self.client.create_headers),
+            on_retry=lambda: retried.append(1))
+        # A retried start whose lost first answer created an upload leaves that upload
+        # behind: it is aborted once this one ends (the key is this save's own).
+        self.strays = bool(retried)
         self.upload_id = _xml_text(body, "UploadId")
         if not self.upload_id:
             raise StorageError(f"cannot start the upload of {self.where}: no UploadId in the answer", errno.EIO,
@@ -864,9 +874,10 @@ class _Uploads:
         try:
             self.folder.backend.call("complete the upload of", self.where, complete, (_NoSuchUpload,),
                                      on_retry=lambda: retried.append(1))
+            self.abort_strays()
             return
         except _NoSuchUpload:
-            pass
+            self.abort_strays()
         # A retried completion whose first attempt landed: the object is there, the upload is gone.
         meta = self.folder._head(self.name)
         if meta is None or int(meta["size"]) != size:
@@ -879,6 +890,24 @@ class _Uploads:
         q = {"uploadId": self.upload_id}
         with contextlib.suppress(Exception):
             self._call("abort the upload of", lambda: self.client.request("DELETE", self.key, q))
+        self.abort_strays()
+
+    def abort_strays(self) -> None:
+        """Abort the other unfinished uploads of this key (left by a retried start); never raises."""
+        if not self.strays:
+            return
+        self.strays = False
+        with contextlib.suppress(Exception):
+            _, _, body = self._call("list the uploads of",
+                                    lambda: self.client.request("GET", "", {"uploads": "", "prefix": self.key}))
+            root = ET.fromstring(body)
+            for up in root.iter():
+                if not (up.tag == "Upload" or up.tag.endswith("}Upload")):
+                    continue
+                fields = {el.tag.rpartition("}")[2]: el.text or "" for el in up}
+                if fields.get("Key") == self.key and fields.get("UploadId") not in (None, self.upload_id):
+                    q = {"uploadId": fields["UploadId"]}
+                    self._call("abort the upload of", lambda q=q: self.client.request("DELETE", self.key, q))
 
 
 class _NoSuchUpload(Exception):
