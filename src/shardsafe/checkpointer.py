@@ -121,6 +121,7 @@ class Checkpointer:
         self.memory = HostMemory(memory_budget)
         self.write_threads = _threads(write_threads, min(2, cpus))
         self.read_threads = _threads(read_threads, max(2, min(8, cpus)))
+        self.fetch_threads = max(self.read_threads, 8)  # requests at once on remote backends (I/O bound)
         self.pin_memory = pin_memory
         self.plans = PlanCache(plan_cache_size)
         self.pending: SaveFuture | None = None
@@ -271,6 +272,7 @@ class Checkpointer:
         error: BaseException | None = None
         opened: Opened | None = None
         files: OpenFiles | None = None
+        fetched = 0
         reader: Reader | None = None
         result = plan = None
         verified = 0
@@ -295,8 +297,8 @@ class Checkpointer:
                 assert opened is not None
                 plan = plan_phase(opened.manifest, mine, verify=verify, verify_fresh_first=True,
                                   max_buffer=max_buffer)
-                files = OpenFiles(opened.folder, opened.manifest, digest=opened.digest)
-                open_files_phase(files, plan)
+                files = OpenFiles(opened.folder, opened.manifest, digest=opened.digest, spill=backend.remote)
+                open_files_phase(files, plan, self.fetch_threads)
                 reader = Reader(files, self.memory, self.read_threads)
                 verified = plan.verify_with(reader)
         except Exception as exc:  # noqa: BLE001
@@ -312,6 +314,7 @@ class Checkpointer:
             comm.agree(error)
         finally:
             if files is not None:
+                fetched = files.fetched
                 files.close()
             if opened is not None:
                 opened.close()
@@ -330,7 +333,7 @@ class Checkpointer:
         comm.agree(error)
         return LoadInfo(location, verified if verify else copied, len({f.key for f in result.fills}),
                         time.perf_counter() - t0, copied, bytes_received=received,
-                        retries=backend.retries - retries0)
+                        retries=backend.retries - retries0, bytes_fetched=fetched)
 
     def load_full(self, path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True,
                   rank: int = 0, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -359,8 +362,8 @@ class Checkpointer:
             fills = matcher.result.fills
             max_buffer = self.memory.fits(DEFAULT_MAX_BUFFER)
             plan = plan_phase(manifest, fills, verify=verify, verify_fresh_first=False, max_buffer=max_buffer)
-            with OpenFiles(opened.folder, manifest, digest=opened.digest) as files:
-                open_files_phase(files, plan)
+            with OpenFiles(opened.folder, manifest, digest=opened.digest, spill=backend.remote) as files:
+                open_files_phase(files, plan, self.fetch_threads)
                 reader = Reader(files, self.memory, self.read_threads)
                 plan.verify_with(reader)
                 land_phase(reader, plan, fills, max_buffer, block_size(manifest))

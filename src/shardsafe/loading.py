@@ -31,7 +31,9 @@ from .storage.base import Backend, Folder
 class LoadInfo:
     """What a load did on this rank. ``bytes_read``: distinct bytes of data files touched
     (verified checksum blocks included); ``bytes_copied``: bytes landed from storage;
-    ``bytes_received``: bytes sent by other ranks (``broadcast_replicated``)."""
+    ``bytes_received``: bytes sent by other ranks (``broadcast_replicated``);
+    ``bytes_fetched``: bytes of data files fetched over the network (remote backends: each
+    needed range once, into a local spill; 0 on local paths)."""
 
     path: Path | str
     bytes_read: int
@@ -40,6 +42,7 @@ class LoadInfo:
     bytes_copied: int = 0
     bytes_received: int = 0  # bytes of replicated tensors received from the rank that read them
     retries: int = 0  # storage requests retried after transient failures
+    bytes_fetched: int = 0
 
 
 def block_size(manifest: Manifest) -> int:
@@ -114,11 +117,22 @@ def plan_phase(manifest: Manifest, fills: list[Fill], *, verify: bool, verify_fr
     return ReadPlan(ops, checks, post, verify)
 
 
-def open_files_phase(files: OpenFiles, plan: ReadPlan) -> None:
+def open_files_phase(files: OpenFiles, plan: ReadPlan, threads: int = 8) -> None:
     """Open (and size-check) every file the plan reads, before anything is verified or
-    lands: a checkpoint replaced meanwhile is noticed here, never half way."""
+    lands: a checkpoint replaced meanwhile is noticed here, never half way. On a remote
+    backend (``files.spill``), fetch every byte range the plan will read, once, with
+    ``threads`` requests at once (headers, checked blocks and landed runs)."""
     for f in sorted({op.file for op in plan.ops}):
         files.handle(f)
+    if files.spill:
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for f in sorted(plan.files):
+            ranges.setdefault(f, []).append((0, files.manifest.files[f].header_bytes))
+        for c in plan.checks:
+            ranges.setdefault(c.file, []).append((c.lo, c.hi))
+        for op in plan.ops:
+            ranges.setdefault(op.file, []).extend((s, s + n) for s, n in op.runs)
+        files.prefetch(ranges, threads)
 
 
 def land_phase(reader: Reader, plan: ReadPlan, fills: list[Fill], max_buffer: int, block: int) -> int:

@@ -29,6 +29,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..layout import Box
 from ..plan.load_plan import BlockCheck, ReadOp
 from ..storage.base import Folder, ReadHandle
+from ..storage.spill import SpilledHandle, prefetch
 from .buffers import writable_bytes
 from .memory import HostMemory, Lease
 
@@ -43,8 +44,10 @@ class OpenFiles:
     Thread-safe. ``check_header`` verifies a file's header once; missing, truncated,
     replaced and non-regular files raise CorruptCheckpointError naming the file."""
 
-    def __init__(self, folder: Folder, manifest: Manifest, check_sizes: bool = True, digest: int | None = None) -> None:
+    def __init__(self, folder: Folder, manifest: Manifest, check_sizes: bool = True, digest: int | None = None,
+                 spill: bool = False) -> None:
         self.folder = folder
+        self.spill = spill  # remote files: prefetched ranges are read back from a local spill (storage/spill.py)
         self.manifest = manifest
         self.digest = digest  # of the manifest bytes read: a different one now means the checkpoint changed
         self.check_sizes = check_sizes  # ``verify`` reports size mismatches itself
@@ -82,7 +85,27 @@ class OpenFiles:
             raise CorruptCheckpointError(
                 f"data file {self.name(index)} has {h.size} bytes, the manifest says {entry.nbytes} "
                 f"({'truncated' if h.size < entry.nbytes else 'replaced or appended to'})")
+        if self.spill:
+            try:
+                return SpilledHandle(h)
+            except BaseException:
+                h.close()
+                raise
         return h
+
+    def prefetch(self, ranges: dict[int, list[tuple[int, int]]], threads: int) -> int:
+        """With ``spill``: fetch the byte ranges (per file index) a load will read, once, into
+        the local spill (merged when close, ``threads`` requests at once); later reads of
+        them are local. Returns the bytes fetched (0 without ``spill``)."""
+        if not self.spill:
+            return 0
+        handles = {f: self.handle(f) for f in ranges}
+        return prefetch(handles, ranges, threads)  # type: ignore[arg-type]
+
+    @property
+    def fetched(self) -> int:
+        """Bytes fetched from remote files (spilled handles only)."""
+        return sum(h.fetched for h in self.handles.values() if isinstance(h, SpilledHandle))
 
     def _manifest_changed(self) -> bool:
         """True when the folder's manifest is no longer the one this load read (an in-place

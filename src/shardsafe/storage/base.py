@@ -20,7 +20,7 @@ may hold (a symlink, a FIFO, a short file).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from ..errors import StorageError
@@ -40,6 +40,17 @@ class ReadHandle(ABC):
     def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
         """Fill ``buffers`` back to back from ``offset``; a file that ends first raises
         CorruptCheckpointError naming the file and the byte."""
+
+    def stream_to(self, lo: int, hi: int, sink: Callable[[memoryview, int], None], piece: int = 4 << 20) -> None:
+        """Read bytes ``[lo, hi)`` and hand them to ``sink(bytes, offset)`` in order, in
+        pieces of about ``piece`` bytes (memory stays bounded whatever the range)."""
+        buf = memoryview(bytearray(min(piece, max(hi - lo, 1))))
+        pos = lo
+        while pos < hi:
+            n = min(len(buf), hi - pos)
+            self.read_into([buf[:n]], pos)
+            sink(buf[:n], pos)
+            pos += n
 
     @abstractmethod
     def close(self) -> None:

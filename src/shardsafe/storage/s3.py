@@ -754,8 +754,10 @@ class S3ReadHandle(ReadHandle):
         self.key = folder.key(name)
 
     def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
-        """One GET of the whole range, scattered into ``buffers``; an object that ends first
-        is corrupt, one replaced or deleted meanwhile has changed."""
+        """One ranged GET of the whole range, streamed into ``buffers`` in pieces of
+        ``STREAM_PIECE`` bytes (memory stays bounded whatever the range); a transient
+        failure midway resumes from the first byte not yet received. An object that ends
+        first is corrupt, one replaced or deleted meanwhile has changed."""
         views = [v for v in (_bytes_view(memoryview(b)) for b in buffers) if len(v)]
         total = sum(len(v) for v in views)
         if not total:
@@ -763,31 +765,93 @@ class S3ReadHandle(ReadHandle):
         end = offset + total
         if end > self.size:
             raise CorruptCheckpointError(f"{self.where}: file ends at byte {self.size}, expected at least {end}")
-        opts: dict[str, Any] = {"range": (offset, end)}
-        if self.etag:
-            opts["if_match"] = self.etag
         store = self.folder.b.store
+        sink = _Scatter(views)
 
-        def get() -> Any:
-            return obstore.get(store, self.key, options=opts).bytes()
+        def get() -> None:
+            opts: dict[str, Any] = {"range": (offset + sink.done, end)}
+            if self.etag:
+                opts["if_match"] = self.etag
+            for piece in obstore.get(store, self.key, options=opts).stream(min_chunk_size=STREAM_PIECE):
+                if not sink.put(memoryview(piece)):
+                    raise CorruptCheckpointError(f"{self.where}: the server sent more than the {total} bytes "
+                                                 f"asked for from byte {offset}")
 
         try:
-            data = self.folder.backend.call("read", self.where, get, (*_NOT_FOUND, obx.PreconditionError))
+            self.folder.backend.call("read", self.where, get,
+                                     (*_NOT_FOUND, obx.PreconditionError, CorruptCheckpointError))
         except obx.PreconditionError:
             raise CheckpointChangedError(f"{self.where} was replaced while it was read") from None
         except _NOT_FOUND:
             raise CheckpointChangedError(f"{self.where} was deleted while it was read") from None
-        src = memoryview(data)
-        if len(src) < total:
+        if sink.done < total:
             raise CorruptCheckpointError(
-                f"{self.where}: file ends at byte {offset + len(src)}, expected at least {end}")
-        pos = 0
-        for v in views:
-            v[:] = src[pos: pos + len(v)]
-            pos += len(v)
+                f"{self.where}: file ends at byte {offset + sink.done}, expected at least {end}")
+
+    def stream_to(self, lo: int, hi: int, sink: Callable[[memoryview, int], None], piece: int = 0) -> None:
+        """One ranged GET of ``[lo, hi)`` streamed to ``sink`` in pieces (resumed after a
+        transient failure from the first byte not yet handed over)."""
+        if hi <= lo:
+            return
+        if hi > self.size:
+            raise CorruptCheckpointError(f"{self.where}: file ends at byte {self.size}, expected at least {hi}")
+        store = self.folder.b.store
+        pos = [lo]
+
+        def get() -> None:
+            opts: dict[str, Any] = {"range": (pos[0], hi)}
+            if self.etag:
+                opts["if_match"] = self.etag
+            for chunk in obstore.get(store, self.key, options=opts).stream(min_chunk_size=piece or STREAM_PIECE):
+                view = memoryview(chunk)
+                if pos[0] + len(view) > hi:
+                    raise CorruptCheckpointError(f"{self.where}: the server sent more than asked for")
+                sink(view, pos[0])
+                pos[0] += len(view)
+
+        try:
+            self.folder.backend.call("read", self.where, get,
+                                     (*_NOT_FOUND, obx.PreconditionError, CorruptCheckpointError, StorageError))
+        except obx.PreconditionError:
+            raise CheckpointChangedError(f"{self.where} was replaced while it was read") from None
+        except _NOT_FOUND:
+            raise CheckpointChangedError(f"{self.where} was deleted while it was read") from None
+        if pos[0] < hi:
+            raise CorruptCheckpointError(f"{self.where}: file ends at byte {pos[0]}, expected at least {hi}")
 
     def close(self) -> None:
         pass
+
+
+STREAM_PIECE = 4 * MiB  # a ranged GET is copied into its destination in pieces of about this size
+
+
+class _Scatter:
+    """Copies a stream of pieces into consecutive buffers; ``done`` counts bytes placed."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self.views = views
+        self.index = 0  # the buffer being filled
+        self.at = 0  # bytes of it filled
+        self.done = 0
+
+    def put(self, piece: memoryview) -> bool:
+        """Place ``piece``; False when it does not fit (more bytes than asked for)."""
+        piece = _bytes_view(piece)
+        i, n = 0, len(piece)
+        while i < n:
+            if self.index >= len(self.views):
+                return False
+            v = self.views[self.index]
+            m = min(len(v) - self.at, n - i)
+            v[self.at: self.at + m] = piece[i: i + m]
+            i += m
+            self.at += m
+            self.done += m
+            if self.at == len(v):
+                self.index += 1
+                self.at = 0
+        return True
 
 
 # -- writing -----------------------------------------------------------------------------------
