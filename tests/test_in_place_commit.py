@@ -123,6 +123,32 @@ def test_manager_retention_in_place(tmp_path):
     cp.close()
 
 
+def test_manager_cleans_stale_in_place_leftovers(tmp_path):
+    """A killed first save of a step leaves a folder of unlisted data files and no manifest;
+    a killed overwrite leaves unlisted files next to a manifest. The manager's first save
+    deletes both once stale, and nothing fresh (it may belong to a live save)."""
+    (tmp_path / "step-00000007").mkdir()
+    first = tmp_path / "step-00000007" / "data-r00000-00.0123456789ab.safetensors"
+    first.write_bytes(b"x" * 10)
+    cp = shardsafe.Checkpointer(storage=FaultyBackend(renames=False))
+    cp.save(state(1.0), tmp_path / "step-00000001")
+    second = tmp_path / "step-00000001" / "data-r00001-00.0123456789ab.safetensors"
+    second.write_bytes(b"y" * 10)
+    fresh = tmp_path / "step-00000001" / "data-r00002-00.ba9876543210.safetensors"
+    fresh.write_bytes(b"z" * 10)
+    old = time.time() - 7 * 3600
+    for f in (first, second):
+        os.utime(f, (old, old))
+    with shardsafe.CheckpointManager(tmp_path, interval=1, keep_last=5, checkpointer=cp) as mgr:
+        mgr.save(2, state(2.0))
+        mgr.wait()
+        assert mgr.steps() == [1, 2]
+    assert not first.exists() and not (tmp_path / "step-00000007").exists()
+    assert not second.exists() and fresh.exists()
+    assert_bitwise(state(1.0), cp.load_full(tmp_path / "step-00000001"))
+    cp.close()
+
+
 def test_copy_between_backends_verifies_and_commits_last(tmp_path):
     """shardsafe copy: local -> in-place store -> local, bitwise; a corrupt block stops the
     copy before anything is committed at the destination."""

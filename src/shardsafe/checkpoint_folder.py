@@ -194,6 +194,17 @@ def clean_in_place(folder: Folder, now: float | None = None) -> list[str]:
     return done
 
 
+def clean_killed_in_place(parent: Folder, name: str, now: float | None = None) -> list[str]:
+    """On a backend without renames: the stale data files a killed save left in folder
+    ``name`` (see :func:`clean_in_place`); a folder left with nothing else (no manifest: the
+    killed save was its first) goes too. Returns what it deleted."""
+    with parent.open_folder(name) as f:
+        done = clean_in_place(f, now)
+        if done and not f.names():
+            parent.remove_tree(name)
+    return done
+
+
 def check_target(parent: Folder, name: str, overwrite: bool) -> None:
     """Refuse a save target that holds a committed checkpoint (unless ``overwrite``) or
     anything that is not a shardsafe checkpoint."""

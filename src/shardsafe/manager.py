@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint_folder import clean_leftovers, delete_checkpoint, is_committed, leftover_of
+from .checkpoint_folder import clean_killed_in_place, clean_leftovers, delete_checkpoint, is_committed, leftover_of
 from .checkpointer import Checkpointer, SaveFuture
 from .comm import resolve
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
@@ -244,11 +244,16 @@ class CheckpointManager:
 
     def _clean(self, folder: Folder) -> None:
         """Repair and delete what interrupted saves and deletions left (rank 0)."""
-        names = {found[0] for found in (leftover_of(n) for n in folder.names()) if found is not None}
+        entries = folder.names()
+        names = {found[0] for found in (leftover_of(n) for n in entries) if found is not None}
         for name in sorted(names):
             if parse_step(name) is not None:
                 with contextlib.suppress(CheckpointError):
                     clean_leftovers(folder, name)
+        if not folder.can_rename:  # in place (object stores): killed saves' unlisted data files
+            for name in sorted(n for n in entries if parse_step(n) is not None):
+                with contextlib.suppress(CheckpointError):
+                    clean_killed_in_place(folder, name)
 
     # -- saving -----------------------------------------------------------------------
     def should_save(self, step: int, *, force: bool = False) -> bool:
