@@ -452,3 +452,53 @@ def test_merge_ranges():
     assert merge_ranges([(0, 10), (2, 4), (12, 30)], gap=0, limit=8) == [(0, 8), (8, 10), (12, 20), (20, 28),
                                                                           (28, 30)]
     assert merge_ranges([(5, 5)]) == []
+
+
+SAVER = r"""
+import sys, torch, shardsafe
+opts = {"endpoint": sys.argv[2], "key": "testing", "secret": "testing", "region": "us-east-1",
+        "part_size": 5 << 20, "max_concurrency": 2}
+i = 0
+while True:
+    i += 1
+    sd = {"a": torch.full((3 << 20,), float(i)), "b": torch.full((1000,), float(i)), "i": i}
+    shardsafe.save(sd, sys.argv[1], storage_options=opts, overwrite=True)
+    print(i, flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.4, 0.9])
+def test_sigkill_during_saves_leaves_a_whole_checkpoint(s3, tmp_path, delay):
+    """A process saving to S3 in a loop (overwrite=True) is killed with SIGKILL: the
+    prefix holds one whole checkpoint (the last committed or the one in flight), bitwise;
+    the next save works."""
+    import signal
+    import subprocess
+    import sys
+
+    server, bucket, opts = s3
+    path = url(bucket, "ck")
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER)
+    proc = subprocess.Popen([sys.executable, str(script), path, server.endpoint], stdout=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()  # one save committed
+        assert first.strip() == "1"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        done = [int(x) for x in [first, *proc.stdout.read().split()] if str(x).strip()]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    got = shardsafe.load_full(path, storage_options=opts)
+    i = got["i"]
+    assert i in (done[-1], done[-1] + 1)
+    assert torch.equal(got["a"], torch.full((3 << 20,), float(i))) and torch.equal(got["b"], torch.full((1000,), float(i)))
+    listed = {"ck/" + f.name for f in shardsafe.read_manifest(path, storage_options=opts).files} | {"ck/manifest.json"}
+    assert all(k.endswith(".safetensors") for k in set(server.keys(bucket)) - listed)
+    shardsafe.save({"a": torch.ones(3), "i": -1}, path, storage_options=opts, overwrite=True)
+    assert shardsafe.load_full(path, storage_options=opts)["i"] == -1
