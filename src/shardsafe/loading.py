@@ -176,8 +176,9 @@ class CheckpointReader:
         self.verify = verify
         self.max_buffer = max_buffer
         self.block = block_size(self.manifest)
-        self.files = OpenFiles(self.opened.folder, self.manifest, digest=self.opened.digest)
+        self.files = OpenFiles(self.opened.folder, self.manifest, digest=self.opened.digest, spill=backend.remote)
         self.reader = Reader(self.files, memory or HostMemory(), threads, progress)
+        self.fetch_threads = max(threads, 8)
 
     def read(self, key: str) -> torch.Tensor:
         """The full tensor ``key`` (a manifest tensor key) as a fresh CPU tensor."""
@@ -190,9 +191,13 @@ class CheckpointReader:
         fills = matcher.result.fills
         plan = plan_phase(self.manifest, fills, verify=self.verify, verify_fresh_first=False,
                           max_buffer=self.max_buffer)
-        open_files_phase(self.files, plan)
-        plan.verify_with(self.reader)
-        land_phase(self.reader, plan, fills, self.max_buffer, self.block)
+        open_files_phase(self.files, plan, self.fetch_threads)
+        try:
+            plan.verify_with(self.reader)
+            land_phase(self.reader, plan, fills, self.max_buffer, self.block)
+        finally:
+            if self.files.spill:
+                self.files.forget()  # the spill holds one tensor at a time
         return tensor
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ from .memory import HostMemory, Lease
 IOV_MAX = 1024
 BATCH_BYTES = 8 << 20  # direct reads are batched up to this size (threads share many small tensors)
 VERIFY_WINDOW = 2 << 20  # bytes read at once for verification (then hashed while cached)
+REMOTE_VERIFY_WINDOW = 8 << 20  # the same on remote backends (one request each)
 
 
 class OpenFiles:
@@ -101,6 +102,12 @@ class OpenFiles:
             return 0
         handles = {f: self.handle(f) for f in ranges}
         return prefetch(handles, ranges, threads)  # type: ignore[arg-type]
+
+    def forget(self) -> None:
+        """Drop what the spills hold (their local disk space is freed)."""
+        for h in list(self.handles.values()):
+            if isinstance(h, SpilledHandle):
+                h.forget()
 
     @property
     def fetched(self) -> int:
@@ -211,6 +218,8 @@ class Reader:
     def __init__(self, files: OpenFiles, memory: HostMemory, threads: int = 2,
                  progress: Callable[[int], None] | None = None) -> None:
         self.files = files
+        # remote files: fewer, larger requests for what is read without the spill
+        self.window = REMOTE_VERIFY_WINDOW if files.spill else VERIFY_WINDOW
         self.memory = memory
         self.threads = max(1, threads)
         self.progress = progress
@@ -223,12 +232,12 @@ class Reader:
         ``problems``, every block mismatch is collected). Returns the bytes hashed."""
         for f in sorted({c.file for c in checks} if headers is None else headers):
             self.files.check_header(f)
-        groups = windows(checks)
+        groups = windows(checks, self.window)
         parts = split_work(groups, [w[-1].hi - w[0].lo + 4096 for w in groups], self.threads)
         return sum(self._run(self._hash_windows, parts, problems))
 
     def _hash_windows(self, group: list[list[BlockCheck]], problems: Problems | None) -> int:
-        size = min(max((w[-1].hi - w[0].lo for w in group), default=1), max(VERIFY_WINDOW, 1))
+        size = min(max((w[-1].hi - w[0].lo for w in group), default=1), max(self.window, 1))
         lease: Lease | None = None
         hashed = 0
         try:

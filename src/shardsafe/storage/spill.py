@@ -111,6 +111,12 @@ class SpilledHandle(ReadHandle):
                 done += n
             pos += len(view)
 
+    def forget(self) -> None:
+        """Drop the spilled ranges and free their disk space."""
+        with self._lock:
+            self._held = []
+            os.ftruncate(self._fd, 0)
+
     def close(self) -> None:
         self.remote.close()
         self._file.close()
