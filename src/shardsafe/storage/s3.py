@@ -82,7 +82,7 @@ class S3Options:
     timeout: float | None = None  # seconds per request (obstore's default when None: 30 s)
     connect_timeout: float | None = None
     part_size: int = 16 * MiB
-    max_concurrency: int = 8  # parts of one file uploaded at once
+    max_concurrency: int = 4  # parts of one file uploaded at once (memory: about (this + 2) parts per file)
     extra: dict[str, Any] = field(default_factory=dict)  # obstore S3 config keys passed as they are
 
 
@@ -1053,7 +1053,7 @@ class _Stream:
 class S3WriteHandle(WriteHandle):
     """A new object written by positional writes from any number of threads: bytes land in
     part buffers; each part is uploaded once all its bytes are there (at most
-    ``max_concurrency`` at once, and writers wait while twice that many are queued);
+    ``max_concurrency`` at once; two more may wait their turn, then a writer that completes a part waits);
     ``finish`` uploads the rest and completes the upload (a file within one part: one PUT)."""
 
     def __init__(self, folder: S3Folder, name: str) -> None:
@@ -1068,7 +1068,7 @@ class S3WriteHandle(WriteHandle):
         self._sent: set[int] = set()
         self._etags: dict[int, str] = {}
         self._futures: list[Future] = []
-        self._slots = threading.BoundedSemaphore(2 * self.concurrency)
+        self._slots = threading.BoundedSemaphore(self.concurrency + 2)
         self._size = 0
         self._upload: _Uploads | _Stream | None = None
         self._pool: ThreadPoolExecutor | None = None
