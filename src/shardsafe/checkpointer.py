@@ -18,6 +18,7 @@ import time
 import warnings
 import weakref
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,8 @@ class Checkpointer:
         results: list[FileResult] = []
         error: BaseException | None = None
         try:
+            if prep.error is not None:
+                raise prep.error
             if prep.mine is not None:
                 assert prep.staging is not None
                 writer = FileWriter(prep.staging, prep.mine, prep.described.source, self.memory, block=CHECKSUM_BLOCK,
@@ -191,6 +194,8 @@ class Checkpointer:
         writer: FileWriter | None = None
         stage_error: BaseException | None = None
         try:
+            if prep.error is not None:
+                raise prep.error
             if prep.mine is not None:
                 assert prep.staging is not None
                 writer = FileWriter(prep.staging, prep.mine, prep.described.source, self.memory, block=CHECKSUM_BLOCK,
@@ -289,9 +294,9 @@ class Checkpointer:
             error = exc
         # Replicated tensors every rank needs whole: one rank reads each, then sends it.
         shared = broadcast_plan(comm, result.fills if error is None and result else None,
-                                opened.manifest if opened else None) if broadcast else {}
-        mine = [] if result is None else [
-            f for i, f in enumerate(result.fills) if shared.get(i, comm.rank) == comm.rank]
+                                opened.manifest if opened else None) if broadcast else []
+        others = {s.fill for s in shared if s.owner != comm.rank}  # read by another rank, received
+        mine = [] if result is None else [f for i, f in enumerate(result.fills) if i not in others]
         try:
             if error is None:
                 assert opened is not None
@@ -320,11 +325,8 @@ class Checkpointer:
                 opened.close()
         assert result is not None
         received = 0
-        for i in sorted(shared):  # the same order on every rank
-            fill = result.fills[i]
-            comm.broadcast_tensor(fill.tensor, shared[i])
-            if shared[i] != comm.rank:
-                received += fill.tensor.numel() * fill.tensor.element_size()
+        for s in shared:  # the same order on every rank
+            received += comm.share_tensor(result.fills[s.fill].tensor, s.owner, s.members)
         error = None
         try:
             apply_phase(result)
@@ -421,32 +423,55 @@ class Checkpointer:
         self.close()
 
 
-def broadcast_plan(comm: Comm, fills: list | None, manifest: Any) -> dict[int, int]:
-    """{fill index: the group rank that reads it} for the fills every rank needs whole from
-    a replicated saved tensor (DDP weights, replicated DTensors), the bytes balanced over
-    ranks; {} unless every rank has the same such fills (one all-reduce decides)."""
-    from .format.checksum import checksum
+@dataclass(frozen=True)
+class Shared:
+    """A box of a saved tensor that several ranks need whole: ``owner`` reads it (and
+    verifies it), then sends it to the other ``members`` (group ranks, sorted)."""
 
-    cands: list[tuple[int, str, int]] = []
+    fill: int  # index of this rank's fill
+    owner: int
+    members: tuple[int, ...]
+    order: tuple  # (key, offsets, lengths): the same on every rank
+
+
+def broadcast_plan(comm: Comm, fills: list | None, manifest: Any) -> list[Shared]:
+    """The boxes this rank shares with others (identical key and box needed by several
+    ranks: DDP weights, the replicated dimension of HSDP and TP), in the order every rank
+    processes them; each read by one of its members, the bytes balanced over ranks. Empty
+    when a rank has no fills (its error is agreed on later). One all-gather of the
+    (key, box) lists, as JSON (no pickle)."""
+
+    mine: dict[tuple, tuple[int, int]] = {}
     if fills is not None and manifest is not None:
         for i, f in enumerate(fills):
             entry = manifest.tensors.get(f.key)
-            if entry is None or entry.kind != "replicated" or f.fresh or f.cast:
-                continue
-            if f.box.offsets != (0,) * len(entry.shape) or f.box.lengths != tuple(entry.shape):
+            if entry is None or entry.kind == "rank_local" or f.fresh or f.cast:
                 continue
             if f.tensor.device.type != "cpu" and comm.distributed and comm._device() == "cpu":
                 continue  # gloo sends CPU tensors only
-            cands.append((i, f.key, f.tensor.numel() * f.tensor.element_size()))
-    digest = int(checksum(repr([(k, n) for _, k, n in cands]).encode()), 16) if fills is not None else -1
-    if not comm.same(digest) or not cands:
-        return {}
+            mine.setdefault((f.key, tuple(f.box.offsets), tuple(f.box.lengths)),
+                            (i, f.tensor.numel() * f.tensor.element_size()))
+    wire = b"-" if fills is None else json.dumps([[k, list(o), list(n), b] for (k, o, n), (_, b) in mine.items()]
+                                                 ).encode()
+    everyone = comm.all_gather_bytes(wire)
+    if any(w == b"-" for w in everyone):
+        return []
+    need: dict[tuple, list[int]] = {}
+    size: dict[tuple, int] = {}
+    for r, w in enumerate(everyone):
+        for k, o, n, b in json.loads(w):
+            box = (k, tuple(o), tuple(n))
+            need.setdefault(box, []).append(r)
+            size[box] = b
     load = [0] * comm.world
-    out: dict[int, int] = {}
-    for i, _, n in sorted(cands, key=lambda c: (-c[2], c[1])):
-        r = load.index(min(load))
-        out[i] = r
-        load[r] += n
+    out: list[Shared] = []
+    for box in sorted((b for b in need if len(need[b]) > 1), key=lambda b: (-size[b], b)):
+        members = tuple(sorted(need[box]))
+        owner = min(members, key=lambda r: (load[r], r))
+        load[owner] += size[box]
+        if comm.rank in members:
+            out.append(Shared(mine[box][0], owner, members, box))
+    out.sort(key=lambda s: s.order)
     return out
 
 

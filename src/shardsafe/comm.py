@@ -107,6 +107,44 @@ class Comm:
         if self.rank != src:
             t.copy_(tmp)
 
+    def share_tensor(self, t: Any, owner: int, members: tuple[int, ...]) -> int:
+        """Group rank ``owner``'s ``t`` into ``t`` on the other ``members`` (a broadcast when
+        every rank is a member, else point-to-point sends); ranks outside ``members`` must
+        not call it. Returns the bytes this rank received."""
+        if not self.distributed or len(members) < 2:
+            return 0
+        if len(members) == self.world:
+            self.broadcast_tensor(t, owner)
+            return 0 if self.rank == owner else t.numel() * t.element_size()
+        buf = t if t.is_contiguous() else t.contiguous()
+        if self.rank == owner:
+            for m in members:
+                if m != owner:
+                    dist.send(buf, dst=dist.get_global_rank(self.group, m), group=self.group)
+            return 0
+        dist.recv(buf, src=dist.get_global_rank(self.group, owner), group=self.group)
+        if buf is not t:
+            t.copy_(buf)
+        return t.numel() * t.element_size()
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` on every rank (two tensor all-gathers, no pickle)."""
+        if not self.distributed:
+            return [data]
+        import torch
+
+        dev = self._device()
+        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=dev), group=self.group)
+        n = [int(x.item()) for x in sizes]
+        width = max(max(n), 1)
+        mine = torch.zeros(width, dtype=torch.uint8, device=dev)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(self.world)]
+        dist.all_gather(out, mine, group=self.group)
+        return [bytes(o[:k].cpu().numpy().tobytes()) for o, k in zip(out, n, strict=True)]
+
     def broadcast_ints(self, values: list[int] | None, count: int) -> list[int]:
         """Rank 0's ``count`` int64 values on every rank (a plain tensor broadcast)."""
         if not self.distributed:

@@ -202,6 +202,7 @@ class PreparedSave:
     staging: Folder | None = None
     backend: Backend | None = None
     retries0: int = 0
+    error: BaseException | None = None  # this rank could not open the temp folder: finish() reports it
 
 
 def replica_digests(described: Described) -> dict[tuple[str, Box], str]:
@@ -267,6 +268,7 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
             described.tree_digest if described else "", tmp, described.signature if described else "", digests)
     gathered = comm.all_gather(mine)
     staging: Folder | None = None
+    staging_error: BaseException | None = None
     try:
         failures = [g[0] for g in gathered if g[0] is not None]
         if failures:
@@ -285,7 +287,10 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
             codes = {tl.key: safetensors_code(described.flat.tensors[tl.key].dtype) for tl in described.layouts}
             sizes = {tl.key: tl.itemsize for tl in described.layouts}
             mine_file = layout_file(data_file_name(comm.rank, 0, suffix), comm.rank, assigned, codes, sizes)
-            staging = target.staging if target is not None else _open_staging(backend, parent_location, tmp)
+            try:
+                staging = target.staging if target is not None else _open_staging(backend, parent_location, tmp)
+            except Exception as exc:  # noqa: BLE001 - this rank only: reported to every rank by finish()
+                staging_error = exc
     except BaseException:
         if target is not None:
             target.abort()
@@ -293,12 +298,14 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
             target.parent.close()
         raise
     return PreparedSave(comm, location, parent_location, tmp, plan, cached, mine_file, described, tree, t0,
-                        overwrite, target, staging, backend, retries0)
+                        overwrite, target, staging, backend, retries0, staging_error)
 
 
 def _open_staging(backend: Backend, parent_location: str, tmp: str) -> Folder:
-    with backend.open(parent_location) as parent:
-        return parent.open_folder(tmp)
+    """The folder rank 0 made for this save (on an object store, a prefix that may hold
+    no object yet: it is "created", which creates nothing)."""
+    with backend.open(parent_location, create=True) as parent:
+        return parent.open_folder(tmp, create=not parent.can_rename)
 
 
 def _agreed_tree(comm: Comm, described: Described, digests: list[str]) -> Any:
