@@ -25,6 +25,7 @@ bench: install
 	$(PY) benchmarks/bench_planning.py
 	$(PY) benchmarks/bench_async.py
 	$(PY) benchmarks/bench_export.py
+	$(PY) benchmarks/bench_s3.py
 
 faults: install
 	$(PY) -m faults.campaign
