@@ -22,6 +22,7 @@ demo: install
 bench: install
 	$(PY) benchmarks/bench_single.py
 	$(PY) benchmarks/bench_distributed.py
+	$(PY) benchmarks/bench_broadcast.py
 	$(PY) benchmarks/bench_planning.py
 	$(PY) benchmarks/bench_async.py
 	$(PY) benchmarks/bench_export.py
