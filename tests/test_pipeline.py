@@ -450,3 +450,9 @@ def test_load_broadcasts_replicated_tensors(pg_pool, tmp_path):
     assert [r["read"] for r in plain] == [total] * 4 and all(r["received"] == 0 for r in plain)
     assert sum(r["read"] for r in shared) == total
     assert all(r["read"] + r["received"] == total for r in shared)
+    # each piece is read by the rank whose file holds it (the save split "big" in row blocks)
+    with shardsafe.Checkpointer() as cp:
+        m = cp.read_manifest(path)
+    chunks = [c for e in m.tensors.values() for c in e.chunks]
+    assert len({c.rank for c in chunks if c.end > c.start}) >= 3
+    assert [r["read"] for r in shared] == [sum(c.end - c.start for c in chunks if c.rank == k) for k in range(4)]

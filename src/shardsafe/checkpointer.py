@@ -18,7 +18,6 @@ import time
 import warnings
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from .engine.reader import OpenFiles, Reader
 from .engine.writer import FileWriter
 from .errors import CheckpointChangedError, CheckpointError
 from .format.manifest import Manifest
+from .layout import Box
 from .loading import (
     DEFAULT_MAX_BUFFER,
     CheckpointReader,
@@ -42,9 +42,10 @@ from .loading import (
     plan_phase,
     read_manifest_phase,
 )
+from .plan.share_plan import Shared, plan_sharing
 from .saving import CHECKSUM_BLOCK, FileResult, PlanCache, PreparedSave, SaveInfo, file_result, finish, prepare
 from .state.context import active_group
-from .state.match import Matcher
+from .state.match import Fill, Matcher
 from .state.saved import check_tree, select
 from .storage.base import Backend
 from .storage.urls import OBJECT_SCHEMES, default_backends
@@ -295,8 +296,7 @@ class Checkpointer:
         # Replicated tensors every rank needs whole: one rank reads each, then sends it.
         shared = broadcast_plan(comm, result.fills if error is None and result else None,
                                 opened.manifest if opened else None) if broadcast else []
-        others = {s.fill for s in shared if s.owner != comm.rank}  # read by another rank, received
-        mine = [] if result is None else [f for i, f in enumerate(result.fills) if i not in others]
+        mine = [] if result is None else reading_fills(result.fills, shared, comm.rank)
         try:
             if error is None:
                 assert opened is not None
@@ -326,7 +326,7 @@ class Checkpointer:
         assert result is not None
         received = 0
         for s in shared:  # the same order on every rank
-            received += comm.share_tensor(result.fills[s.fill].tensor, s.owner, s.members)
+            received += comm.share_tensor(piece_of(result.fills[s.index], s.piece), s.owner, s.members)
         error = None
         try:
             apply_phase(result)
@@ -423,25 +423,13 @@ class Checkpointer:
         self.close()
 
 
-@dataclass(frozen=True)
-class Shared:
-    """A box of a saved tensor that several ranks need whole: ``owner`` reads it (and
-    verifies it), then sends it to the other ``members`` (group ranks, sorted)."""
-
-    fill: int  # index of this rank's fill
-    owner: int
-    members: tuple[int, ...]
-    order: tuple  # (key, offsets, lengths): the same on every rank
-
-
 def broadcast_plan(comm: Comm, fills: list | None, manifest: Any) -> list[Shared]:
-    """The boxes this rank shares with others (identical key and box needed by several
-    ranks: DDP weights, the replicated dimension of HSDP and TP), in the order every rank
-    processes them; each read by one of its members, the bytes balanced over ranks. Empty
-    when a rank has no fills (its error is agreed on later). One all-gather of the
-    (key, box) lists, as JSON (no pickle)."""
-
-    mine: dict[tuple, tuple[int, int]] = {}
+    """The pieces of boxes this rank shares with others (an identical key and box needed
+    whole by several ranks), planned by :func:`plan_sharing` from one all-gather of every
+    rank's (key, box, bytes) list, as JSON (no pickle); ``Shared.index`` is a fill index.
+    Empty when a rank has no fills (its error is agreed on later)."""
+    mine: dict[tuple, int] = {}
+    requests: list[list] = []
     if fills is not None and manifest is not None:
         for i, f in enumerate(fills):
             entry = manifest.tensors.get(f.key)
@@ -449,29 +437,40 @@ def broadcast_plan(comm: Comm, fills: list | None, manifest: Any) -> list[Shared
                 continue
             if f.tensor.device.type != "cpu" and comm.distributed and comm._device() == "cpu":
                 continue  # gloo sends CPU tensors only
-            mine.setdefault((f.key, tuple(f.box.offsets), tuple(f.box.lengths)),
-                            (i, f.tensor.numel() * f.tensor.element_size()))
-    wire = b"-" if fills is None else json.dumps([[k, list(o), list(n), b] for (k, o, n), (_, b) in mine.items()]
-                                                 ).encode()
+            if tuple(f.tensor.shape) != tuple(f.box.lengths):
+                continue  # not a plain view of its box: read by every rank
+            box = (f.key, tuple(f.box.offsets), tuple(f.box.lengths))
+            if box not in mine:
+                mine[box] = i
+                requests.append([f.key, list(f.box.offsets), list(f.box.lengths),
+                                 f.tensor.numel() * f.tensor.element_size()])
+    wire = b"-" if fills is None else json.dumps(requests).encode()
     everyone = comm.all_gather_bytes(wire)
     if any(w == b"-" for w in everyone):
         return []
-    need: dict[tuple, list[int]] = {}
-    size: dict[tuple, int] = {}
-    for r, w in enumerate(everyone):
-        for k, o, n, b in json.loads(w):
-            box = (k, tuple(o), tuple(n))
-            need.setdefault(box, []).append(r)
-            size[box] = b
-    load = [0] * comm.world
-    out: list[Shared] = []
-    for box in sorted((b for b in need if len(need[b]) > 1), key=lambda b: (-size[b], b)):
-        members = tuple(sorted(need[box]))
-        owner = min(members, key=lambda r: (load[r], r))
-        load[owner] += size[box]
-        if comm.rank in members:
-            out.append(Shared(mine[box][0], owner, members, box))
-    out.sort(key=lambda s: s.order)
+    gathered = [[(k, tuple(o), tuple(n), b) for k, o, n, b in json.loads(w)] for w in everyone]
+    fill_of = list(mine.values())
+    return [s._replace(index=fill_of[s.index]) for s in plan_sharing(manifest, gathered, comm.rank)]
+
+
+def piece_of(fill: Fill, piece: Box) -> Any:
+    """The view of ``fill.tensor`` that holds ``piece`` (global coordinates)."""
+    t = fill.tensor
+    for d, (o, n, fo) in enumerate(zip(piece.offsets, piece.lengths, fill.box.offsets)):
+        if o != fo or n != t.shape[d]:
+            t = t.narrow(d, o - fo, n)
+    return t
+
+
+def reading_fills(fills: list[Fill], shared: list[Shared], rank: int) -> list[Fill]:
+    """The fills this rank reads: those it shares with nobody, and the pieces it owns of
+    those it shares (a view of the fill's tensor each)."""
+    split = {s.index for s in shared}
+    out = [f for i, f in enumerate(fills) if i not in split]
+    for s in shared:
+        if s.owner == rank:
+            f = fills[s.index]
+            out.append(f if s.piece == f.box else Fill(f.key, piece_of(f, s.piece), s.piece, fresh=False))
     return out
 
 
