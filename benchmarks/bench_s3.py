@@ -17,15 +17,19 @@ Parts
      warm-up repetition first; ratios per repetition, medians reported. The repetition's
      objects are deleted afterwards.
        * shardsafe: ``save/load(state, "s3://bucket/...", storage_options={endpoint, key,
-         secret, region})`` with default options (16 MiB parts, 8 parts in flight per file;
+         secret, region})`` with default options (16 MiB parts, 4 parts in flight per file;
          broadcast_replicated at its s3 default). Checksums verified on load.
        * dcp: ``dcp.save/load(state, storage_writer=FsspecWriter(url, **kw) /
          storage_reader=FsspecReader(url, **kw))``, kw = s3fs's key, secret, client_kwargs
          (endpoint_url, region_name); everything else at its defaults.
        * raw: each rank PUTs its local shard bytes as one object with ``obstore.put``
-         (16 MiB parts, 8 in flight, like shardsafe) / GETs that object whole with
+         (16 MiB parts, RAW_CONCURRENCY in flight) / GETs that object whole with
          ``obstore.get`` and copies it into the destination shards: what the server and the
          client library can do with no format, no checksums and no planning.
+       * raw1 (saves only): the same bytes as one plain PUT per rank (no multipart: moto
+         stores every part, then copies them into the object on completion; a plain PUT
+         cannot retry a part, nor send parts in parallel on a real store): this server's
+         floor for a save.
      Each rank times barrier -> op end; the time reported is the max over ranks.
      Throughput = state payload (sum of the ranks' local tensor bytes, decimal MB) / time.
      Loads go into a freshly built FSDP2 model + AdamW state (other seed, zeroed before
@@ -81,11 +85,11 @@ import shardsafe  # noqa: E402
 
 KEY = "testing"
 REGION = "us-east-1"
-SAVERS = ["shardsafe", "dcp", "raw"]
+SAVERS = ["shardsafe", "dcp", "raw", "raw1"]  # raw1: one plain PUT per rank (no multipart): the server's floor
 LOADERS = ["shardsafe", "dcp", "raw"]
 TARGETS = {"save_ratio": 2.0, "load_ratio": 2.0, "ddp_fetch": 1.05, "rss_slack": 64 << 20}
 RAW_PART = 16 << 20  # like shardsafe's default part_size
-RAW_CONCURRENCY = 8  # like shardsafe's default max_concurrency
+RAW_CONCURRENCY = 4  # like shardsafe's default max_concurrency
 
 
 def ss_options(endpoint: str) -> dict[str, Any]:
@@ -353,7 +357,7 @@ def c_save(rank: int, world: int, which: str, name: str, url: str, endpoint: str
     gc.collect()
     retries = 0
     payload = None
-    if which == "raw":  # the shard's bytes as one buffer, assembled outside the timed region
+    if which in ("raw", "raw1"):  # the shard's bytes as one buffer, assembled outside the timed region
         payload = b"".join(bytes(bd._byte_view(t)) for _, t in bd._locals(state))
     dist.barrier()
     c0 = time.process_time()
@@ -372,6 +376,12 @@ def c_save(rank: int, world: int, which: str, name: str, url: str, endpoint: str
         bucket, _, prefix = url.removeprefix("s3://").partition("/")
         obstore.put(_store(endpoint, bucket), f"{prefix}/raw-r{rank:05d}.bin", payload, chunk_size=RAW_PART,
                     max_concurrency=RAW_CONCURRENCY)
+        nbytes = len(payload)
+    elif which == "raw1":
+        import obstore
+
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        obstore.put(_store(endpoint, bucket), f"{prefix}/raw-r{rank:05d}.bin", payload, use_multipart=False)
         nbytes = len(payload)
     else:
         raise ValueError(which)
@@ -488,6 +498,7 @@ def part_fsdp(pool: WorkerPool, moto: MotoProcess, cfg: dict, reps: int, res: di
             "load_ss_over_dcp": ld["dcp"]["seconds"] / ld["shardsafe"]["seconds"],
             "save_ss_over_raw": s["raw"]["seconds"] / s["shardsafe"]["seconds"],
             "load_ss_over_raw": ld["raw"]["seconds"] / ld["shardsafe"]["seconds"],
+            "save_dcp_over_raw1": s["dcp"]["seconds"] / s["raw1"]["seconds"],
         }
         tag = "warm-up" if i < 0 else f"rep {i + 1}/{reps}"
         print(f"    {tag}: save ss {s['shardsafe']['seconds']:.2f}s dcp {s['dcp']['seconds']:.2f}s "
@@ -504,7 +515,7 @@ def part_requests(pool: WorkerPool, moto: MotoProcess, proxy: Any, res: dict) ->
     """Untimed save + load per contender through the counting proxy; then a direct,
     RSS-sampled load of the shardsafe and DCP checkpoints."""
     out: dict[str, Any] = {}
-    for which in SAVERS:
+    for which in LOADERS:
         url = moto.url(f"req/{which}")
         proxy.reset()
         rs = pool.run(c_save, which, "src", url, proxy.endpoint, timeout=900)
@@ -592,13 +603,17 @@ def summarize(res: dict) -> tuple[str, dict]:
     rows = []
     for w in SAVERS:
         st = med(lambda r, w=w: r["save"][w]["seconds"])
-        lt = med(lambda r, w=w: r["load"][w]["seconds"])
         ssrv = med(lambda r, w=w: r["save"][w]["server_cpu_s"])
-        lsrv = med(lambda r, w=w: r["load"][w]["server_cpu_s"])
         name = {"shardsafe": "shardsafe s3://", "dcp": "DCP FsspecWriter/Reader + s3fs",
-                "raw": "raw obstore PUT/GET, one object per rank"}[w]
-        rows.append([name, f"{st:.2f}", f"{payload / st / 1e6:.0f}", f"{ssrv:.1f}", f"{lt:.2f}",
-                     f"{payload / lt / 1e6:.0f}", f"{lsrv:.1f}"])
+                "raw": "raw obstore PUT/GET, one object per rank",
+                "raw1": "raw obstore, one plain PUT per rank (no multipart, no part retries)"}[w]
+        if w in LOADERS:
+            lt = med(lambda r, w=w: r["load"][w]["seconds"])
+            lsrv = med(lambda r, w=w: r["load"][w]["server_cpu_s"])
+            load_cells = [f"{lt:.2f}", f"{payload / lt / 1e6:.0f}", f"{lsrv:.1f}"]
+        else:
+            load_cells = ["-", "-", "-"]
+        rows.append([name, f"{st:.2f}", f"{payload / st / 1e6:.0f}", f"{ssrv:.1f}", *load_cells])
     lines.append(md_table(["contender", "save s", "save MB/s", "server CPU s", "load s", "load MB/s",
                            "server CPU s"], rows))
     per_rep = "; ".join(f"{r['save']['shardsafe']['seconds']:.1f}/{r['save']['dcp']['seconds']:.1f}/"
@@ -614,17 +629,19 @@ def summarize(res: dict) -> tuple[str, dict]:
                        "target": f">= {TARGETS[target]}", "pass": v >= TARGETS[target]}
     for key in ("save_ss_over_raw", "load_ss_over_raw"):
         checks[key] = {"value": med(lambda r, key=key: r["ratios"][key]), "target": "report (raw = floor)"}
+    checks["save_dcp_over_raw1"] = {"value": med(lambda r: r["ratios"]["save_dcp_over_raw1"]),
+                                    "target": "report (the most any client gains over DCP saving on this server)"}
 
     q = res["requests"]
     lines.append("\n## 2. Requests and bytes per checkpoint (one untimed pass through a counting proxy)\n")
     rows = []
-    for w in SAVERS:
+    for w in LOADERS:
         d = q[w]
         rows.append([w, d["objects"], mib(d["size"]), d["save"]["requests"], d["load"]["requests"],
                      f"{d['fetch_ratio']:.3f}"])
     lines.append(md_table(["contender", "objects", "checkpoint size", "save requests", "load requests",
                            "bytes fetched / size"], rows))
-    for w in SAVERS:
+    for w in LOADERS:
         for op in ("save", "load"):
             kinds = q[w][op]["kinds"]
             lines.append(f"\n{w} {op}: " + ", ".join(
