@@ -236,3 +236,16 @@ def source_state() -> dict[str, Any]:
 
     dirty = git("status", "--porcelain", "src").splitlines()
     return {"commit": git("rev-parse", "--short", "HEAD"), "dirty_src": dirty}
+
+
+def source_banner(src: dict[str, Any], *extra: str) -> str:
+    """One line naming what a run measured: shardsafe's version and commit, uncommitted
+    changes under src/, torch's version, then ``extra``."""
+    import torch
+
+    import shardsafe
+
+    dirty = f" + uncommitted src changes: {', '.join(x.split()[-1] for x in src['dirty_src'])}" \
+        if src["dirty_src"] else ""
+    return "; ".join([f"shardsafe {shardsafe.__version__} at {src['commit']}{dirty}", f"torch {torch.__version__}",
+                      *extra])

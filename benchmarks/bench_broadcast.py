@@ -66,7 +66,7 @@ from _common import (  # noqa: E402
     rotated,
     write_json,
 )
-from _dist_common import WorkerPool, loadavg, malloc_trim, proc_io, source_state, verdict  # noqa: E402
+from _dist_common import WorkerPool, loadavg, malloc_trim, proc_io, source_banner, source_state, verdict  # noqa: E402
 from bench_distributed import FULL, GPT, QUICK, _local_bytes, _locals, _state_of, _train_step, param_count  # noqa: E402
 
 import shardsafe  # noqa: E402
@@ -364,9 +364,7 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     t0 = time.perf_counter()
     src = source_state()
-    print(f"shardsafe {shardsafe.__version__} at {src['commit']}"
-          + (f" + uncommitted src changes: {', '.join(x.split()[-1] for x in src['dirty_src'])}"
-             if src["dirty_src"] else "") + f"; torch {torch.__version__}", flush=True)
+    print(source_banner(src), flush=True)
     res: dict[str, Any] = {"torch": torch.__version__, "shardsafe": shardsafe.__version__, "quick": args.quick,
                            "source": src, "config": cfg, "params": param_count(cfg), "world": WORLD,
                            "net_mbps": args.net_mbps, "net_latency_ms": args.net_latency_ms}

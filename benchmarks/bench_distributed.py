@@ -87,6 +87,7 @@ from _dist_common import (  # noqa: E402
     loadavg,
     malloc_trim,
     proc_io,
+    source_banner,
     source_state,
     verdict,
     write_durable,
@@ -651,9 +652,7 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     t0 = time.perf_counter()
     src = source_state()
-    print(f"shardsafe {shardsafe.__version__} at {src['commit']}"
-          + (f" + uncommitted src changes: {', '.join(x.split()[-1] for x in src['dirty_src'])}"
-             if src["dirty_src"] else "") + f"; torch {torch.__version__}", flush=True)
+    print(source_banner(src), flush=True)
     res: dict[str, Any] = {"torch": torch.__version__, "shardsafe": shardsafe.__version__, "quick": args.quick,
                            "source": src}
     with bench_dir(args.dir, "shardsafe-bench-dist-") as work:

@@ -79,7 +79,7 @@ import bench_distributed as bd  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _common import REPO, RssSampler, machine_info, md_table, median, mib, rotated, rss_now, write_json  # noqa: E402
-from _dist_common import WorkerPool, loadavg, malloc_trim, source_state, verdict  # noqa: E402
+from _dist_common import WorkerPool, loadavg, malloc_trim, source_banner, source_state, verdict  # noqa: E402
 
 import shardsafe  # noqa: E402
 
@@ -708,9 +708,7 @@ def main() -> int:
     src = source_state()
     import moto
 
-    print(f"shardsafe {shardsafe.__version__} at {src['commit']}"
-          + (f" + uncommitted src changes: {', '.join(x.split()[-1] for x in src['dirty_src'])}"
-             if src["dirty_src"] else "") + f"; torch {torch.__version__}; moto {moto.__version__}", flush=True)
+    print(source_banner(src, f"moto {moto.__version__}"), flush=True)
     res: dict[str, Any] = {"torch": torch.__version__, "shardsafe": shardsafe.__version__, "quick": args.quick,
                            "moto": moto.__version__, "source": src, "machine": machine_info(Path("/tmp"))}
     moto_srv = MotoProcess()
