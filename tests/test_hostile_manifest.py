@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import shardsafe
 from shardsafe.errors import CorruptCheckpointError, UnsupportedValueError
-from shardsafe.format import manifest as manifest_mod
+from shardsafe.format import strict_json
 from shardsafe.format.checksum import checksum
 from shardsafe.format.datafile import (
     ChunkEntry,
@@ -397,7 +397,7 @@ def _reference(value: object) -> tuple[int, int]:
 @given(value=json_values, ascii_only=st.booleans(), indent=st.sampled_from([None, 1]))
 def test_raw_nesting_and_member_count_match_the_parsed_value(value, ascii_only, indent):
     text = json.dumps(value, ensure_ascii=ascii_only, indent=indent)
-    assert manifest_mod._nesting(text.encode("utf-8")) == _reference(value)
+    assert strict_json._nesting(text.encode("utf-8")) == _reference(value)
 
 
 def test_big_manifest_parses_with_every_check():
@@ -412,12 +412,12 @@ def test_big_manifest_parses_with_every_check():
     data = m.to_bytes()
     tensors_at = data.decode().index('"tensors":') + len('"tensors":')
     calls = []
-    strict = manifest_mod._STRICT
-    manifest_mod._STRICT = lambda text, pos: calls.append(pos) or strict(text, pos)
+    strict = strict_json._STRICT
+    strict_json._STRICT = lambda text, pos: calls.append(pos) or strict(text, pos)
     try:
         parsed = Manifest.from_bytes(data)
     finally:
-        manifest_mod._STRICT = strict
+        strict_json._STRICT = strict
     assert list(parsed.tensors) == keys
     assert calls and tensors_at not in calls  # the other members only: the tensors are counted, not re-parsed
 
