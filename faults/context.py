@@ -63,6 +63,12 @@ class Context:
                              timeout=300)
         if isinstance(got, Failure):
             raise RuntimeError(f"FSDP2 setup failed: {got.detail}")
+        # The campaign edits the manifest's chunk table (format 2.x, which every reader still
+        # reads): the checkpoints are rewritten in that format first.
+        from shardsafe.tools.format2 import write_format2
+
+        for p in (single, base / "single-alt", base / "fsdp", base / "fsdp-alt"):
+            write_format2(p)
         self.ckpts = {
             "single": Ckpt.open("single", single, base / "single-work", base / "single-alt"),
             "fsdp": Ckpt.open("fsdp", base / "fsdp", base / "fsdp-work", base / "fsdp-alt"),

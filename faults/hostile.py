@@ -441,7 +441,7 @@ def cases() -> list[Case]:  # noqa: PLR0915 - one long, flat list
     # -- other members and typed-JSON tags
     add(_s("format: other name", lambda ck: edited(ck, lambda b: b.__setitem__("format", "dcp"))))
     add(_s("format: missing", lambda ck: edited(ck, lambda b: b.pop("format"))))
-    add(_s("version: 3.0", lambda ck: edited(ck, lambda b: b.__setitem__("version", [3, 0])), VERSION))
+    add(_s("version: 4.0", lambda ck: edited(ck, lambda b: b.__setitem__("version", [4, 0])), VERSION))
     add(_s("version: 0.1", lambda ck: edited(ck, lambda b: b.__setitem__("version", [0, 1])), VERSION))
     add(_s("version: 2^70.0", lambda ck: edited(ck, lambda b: b.__setitem__("version", [2 ** 70, 0])), VERSION))
     for label, v in (("strings", ["2", "0"]), ("one number", [2]), ("floats", [2.0, 0.0]), ("bool", True),

@@ -40,6 +40,11 @@ def _seal(path: Path, body: dict[str, Any] | str) -> None:
 
 
 def _body(path: Path) -> dict[str, Any]:
+    """The manifest's JSON, of the checkpoint rewritten as format 2.0 first (the repros
+    edit the 2.x chunk table, which every reader still reads)."""
+    from shardsafe.tools.format2 import write_format2
+
+    write_format2(path)
     body = json.loads((path / MANIFEST).read_bytes())
     body.pop("manifest_xxh3_64")
     return body

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import shardsafe
+from format2 import as_format2
 from shardsafe import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -66,9 +67,12 @@ def assert_loads_correctly(path: Path) -> None:
     assert torch.equal(raw(out["last"]), raw(want["last"]))
 
 
-def make_ckpt(tmp_path: Path) -> tuple[Path, Path]:
+def make_ckpt(tmp_path: Path, fmt: int = 3) -> tuple[Path, Path]:
+    """A saved checkpoint (rewritten as format 2.0 with ``fmt=2``) and its data file."""
     path = tmp_path / "ckpt"
     shardsafe.save(state(), path)
+    if fmt == 2:
+        as_format2(path)
     (data,) = sorted(path.glob("*.safetensors"))
     return path, data
 
@@ -329,7 +333,7 @@ def test_future_major_version_refused(tmp_path):
     path, _ = make_ckpt(tmp_path)
 
     def bump(m):
-        m.version = (3, 0)
+        m.version = (4, 0)
 
     rewrite_manifest(path, bump)
     json.loads((path / MANIFEST_NAME).read_bytes())  # still well-formed
@@ -338,18 +342,19 @@ def test_future_major_version_refused(tmp_path):
                  lambda: shardsafe.read_manifest(path)):
         with pytest.raises(FormatVersionError) as ei:
             call()
-        assert "3.0" in str(ei.value) and MANIFEST_NAME in str(ei.value)
+        assert "4.0" in str(ei.value) and MANIFEST_NAME in str(ei.value)
     assert_dest_untouched(dest)
 
 
-def test_newer_minor_version_still_loads(tmp_path):
-    path, _ = make_ckpt(tmp_path)
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_newer_minor_version_still_loads(tmp_path, fmt):
+    path, _ = make_ckpt(tmp_path, fmt)
 
     def bump(m):
-        m.version = (2, 9)
+        m.version = (fmt, 9)
 
     rewrite_manifest(path, bump)
-    assert shardsafe.read_manifest(path).version == (2, 9)
+    assert shardsafe.read_manifest(path).version == (fmt, 9)
     assert_loads_correctly(path)
 
 
@@ -380,7 +385,7 @@ def to_v1(body: dict) -> dict:
 
 def test_format_1_checkpoint_still_loads(tmp_path):
     """Checkpoints written in format 1.0 (chunks inline) load bitwise, in place and full."""
-    path, _ = make_ckpt(tmp_path)
+    path, _ = make_ckpt(tmp_path, 2)
     body = json.loads((path / MANIFEST_NAME).read_bytes())
     v1 = to_v1(body)
     write_body(path, v1)
@@ -398,7 +403,7 @@ def test_format_1_checkpoint_still_loads(tmp_path):
 
 @pytest.mark.parametrize("case", ["chunk_not_object", "checksums_not_list", "box_rank_differs", "byte_range_past_end"])
 def test_inconsistent_format_1_manifest_refused(tmp_path, case):
-    path, _ = make_ckpt(tmp_path)
+    path, _ = make_ckpt(tmp_path, 2)
     v1 = to_v1(json.loads((path / MANIFEST_NAME).read_bytes()))
     chunk = v1["tensors"]["last"]["chunks"][0]
     if case == "chunk_not_object":
@@ -637,8 +642,8 @@ CRAFTED = {
 @pytest.mark.parametrize("case", list(CRAFTED))
 def test_inconsistent_manifest_refused(tmp_path, case):
     """A manifest with a valid trailer but impossible contents is refused up front, with
-    CorruptCheckpointError naming the manifest, never read on trust."""
-    path, _ = make_ckpt(tmp_path)
+    CorruptCheckpointError naming the manifest, never read on trust (format 2.x)."""
+    path, _ = make_ckpt(tmp_path, 2)
     body = json.loads((path / MANIFEST_NAME).read_bytes())
     CRAFTED[case](body)
     write_body(path, body)
@@ -651,7 +656,148 @@ def test_inconsistent_manifest_refused(tmp_path, case):
     assert_dest_untouched(dest)
 
 
-def test_crafted_manifest_helper_is_faithful(tmp_path):
-    path, _ = make_ckpt(tmp_path)
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_crafted_manifest_helper_is_faithful(tmp_path, fmt):
+    path, _ = make_ckpt(tmp_path, fmt)
     write_body(path, json.loads((path / MANIFEST_NAME).read_bytes()))
     assert_loads_correctly(path)
+
+
+# --------------------------------------------------------------------------- format 3: files, rules, indexes
+
+INDEX = "data-r00000-00.index.json"
+
+
+def write_index(path: Path, edit) -> None:
+    """Apply ``edit`` to the data file's index and record its new size and digest in the
+    manifest (so only the index's contents are wrong, never its digest)."""
+    from shardsafe.format.checksum import checksum
+
+    index = json.loads((path / INDEX).read_bytes())
+    edit(index)
+    data = json.dumps(index, separators=(",", ":")).encode()
+    (path / INDEX).write_bytes(data)
+    body = json.loads((path / MANIFEST_NAME).read_bytes())
+    body["files"]["index_bytes"] = [len(data)]
+    body["files"]["index_x"] = checksum(data)
+    write_body(path, body)
+
+
+def _as_rule(b: dict, mesh: dict | None = None, placements=None, salt=0) -> None:
+    """Store tensor 'last' (40 elements, one chunk in rank 0's file) by rule: a one-rank mesh."""
+    t = b["tensors"]["last"]
+    first, count = t.pop("chunks")
+    nd = len(t["shape"])
+    dims = sum(len(u["shape"]) * u["chunks"][1] for k, u in b["tensors"].items() if k < "last" and "chunks" in u)
+    del b["chunks"]["o"][dims: dims + nd], b["chunks"]["n"][dims: dims + nd], b["chunks"]["f"][first]
+    for u in b["tensors"].values():
+        if "chunks" in u and u["chunks"][0] > first:
+            u["chunks"][0] -= count
+    b["meshes"] = [mesh or {"shape": [1], "ranks": [0], "dim_names": None}]
+    t["kind"] = "sharded"
+    t["rule"] = {"mesh": 0, "placements": placements or [["S", 0]], "salt": salt}
+
+
+def test_a_rule_resolves_through_the_index(tmp_path):
+    """A tensor stored by rule (here a one-rank mesh) computes its box and finds its byte
+    range in the index: the same bytes load."""
+    path, _ = make_ckpt(tmp_path)
+    body = json.loads((path / MANIFEST_NAME).read_bytes())
+    _as_rule(body)
+    write_body(path, body)
+    m = shardsafe.read_manifest(path)
+    assert m.tensors["last"].rule is not None and m.tensors["last"].chunk_count == 1
+    assert_loads_correctly(path)
+
+
+CRAFTED3 = {
+    "files_not_object": lambda b: b.__setitem__("files", []),
+    "file_id_with_slash": lambda b: b["files"].__setitem__("id", "/../x"),
+    "file_rank_past_world": lambda b: b["files"].__setitem__("rank", [1]),
+    "file_ranks_unequal_columns": lambda b: b["files"]["bytes"].append(100),
+    "file_too_small": lambda b: b["files"].__setitem__("bytes", [4]),
+    "index_digest_not_hex": lambda b: b["files"].__setitem__("index_x", "z" * 16),
+    "index_digest_wrong": lambda b: b["files"].__setitem__("index_x", "0" * 16),
+    "index_size_wrong": lambda b: b["files"].__setitem__("index_bytes", [b["files"]["index_bytes"][0] + 1]),
+    "rank_local_not_list": lambda b: b.__setitem__("rank_local", {}),
+    "meshes_not_list": lambda b: b.__setitem__("meshes", {}),
+    "geometry_file_out_of_range": lambda b: b["chunks"]["f"].__setitem__(0, 5),
+    "geometry_box_outside_shape": lambda b: b["chunks"]["o"].__setitem__(0, 10**6),
+    "kind_rank_local_in_manifest": lambda b: b["tensors"]["last"].__setitem__("kind", "rank_local"),
+    "rule_mesh_out_of_range": lambda b: (_as_rule(b), b["tensors"]["last"]["rule"].__setitem__("mesh", 3)),
+    "rule_bad_placement": lambda b: _as_rule(b, placements=[["S", 1]]),
+    "rule_placements_count": lambda b: _as_rule(b, placements=[["S", 0], ["R"]]),
+    "rule_unknown_placement": lambda b: _as_rule(b, placements=[["P"]]),
+    "rule_negative_salt": lambda b: _as_rule(b, salt=-1),
+    "rule_mesh_rank_past_world": lambda b: _as_rule(b, mesh={"shape": [1], "ranks": [3], "dim_names": None}),
+    "rule_mesh_size_wrong": lambda b: _as_rule(b, mesh={"shape": [2], "ranks": [0], "dim_names": None}),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED3))
+def test_inconsistent_format_3_manifest_refused(tmp_path, case):
+    """Format 3: files, meshes, rules and the geometry table are checked up front; a file
+    index that does not match its digest is refused; nothing lands."""
+    path, _ = make_ckpt(tmp_path)
+    body = json.loads((path / MANIFEST_NAME).read_bytes())
+    CRAFTED3[case](body)
+    write_body(path, body)
+    dest = sentinel_dest()
+    for call in (lambda: shardsafe.read_manifest(path), lambda: shardsafe.load_full(path),
+                 lambda: shardsafe.load(dest, path)):
+        with pytest.raises(CorruptCheckpointError) as ei:
+            call()
+        assert MANIFEST_NAME in str(ei.value) or INDEX in str(ei.value), str(ei.value)
+    assert_dest_untouched(dest)
+
+
+def _chunk_row(index: dict, ordinal: int) -> int:
+    return index["chunks"]["t"].index(ordinal)
+
+
+CRAFTED_INDEX = {
+    "not_an_index": lambda i: i.__setitem__("format", "other"),
+    "rank_differs": lambda i: i.__setitem__("rank", 1),
+    "header_bytes_huge": lambda i: i.__setitem__("header_bytes", 10**12),
+    "header_x_short": lambda i: i.__setitem__("header_x", "abc"),
+    "ordinal_out_of_range": lambda i: i["chunks"]["t"].__setitem__(-1, 99),
+    "ordinals_unsorted": lambda i: i["chunks"].__setitem__("t", list(reversed(i["chunks"]["t"]))),
+    "byte_range_past_end": lambda i: i["chunks"]["b"].__setitem__(1, 10**9),
+    "byte_range_short": lambda i: i["chunks"]["b"].__setitem__(1, i["chunks"]["b"][0] + 2),
+    "checksums_one_short": lambda i: i["chunks"].__setitem__("x", i["chunks"]["x"][:-16]),
+    "chunk_missing": lambda i: [i["chunks"][c].__delitem__(slice(-n, None)) for c, n in
+                                (("t", 1), ("o", 1), ("n", 1), ("b", 2))] and i["chunks"].__setitem__(
+                                    "x", i["chunks"]["x"][:-16]),
+    "rank_local_tensor_bad_dtype": lambda i: i["tensors"].__setitem__(
+        "x#rank0", {"dtype": "pickle", "shape": [1], "kind": "rank_local"}),
+    "rank_local_value_names_unknown_tensor": lambda i: i["rank_local"].__setitem__("r", {"$tensor": "nope"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED_INDEX))
+def test_inconsistent_file_index_refused(tmp_path, case):
+    """An index whose digest matches the manifest but whose contents are impossible is
+    refused with CorruptCheckpointError naming the index file; nothing lands."""
+    path, _ = make_ckpt(tmp_path)
+    write_index(path, CRAFTED_INDEX[case])
+    dest = sentinel_dest()
+    for call in (lambda: shardsafe.read_manifest(path), lambda: shardsafe.load_full(path),
+                 lambda: shardsafe.load(dest, path)):
+        with pytest.raises(CorruptCheckpointError) as ei:
+            call()
+        assert INDEX in str(ei.value), str(ei.value)
+    assert_dest_untouched(dest)
+
+
+def test_flipped_or_missing_index_is_reported(tmp_path):
+    path, _ = make_ckpt(tmp_path)
+    raw_index = bytearray((path / INDEX).read_bytes())
+    raw_index[40] ^= 1
+    (path / INDEX).write_bytes(bytes(raw_index))
+    with pytest.raises(CorruptCheckpointError, match="does not match the manifest"):
+        shardsafe.load_full(path)
+    report = shardsafe.tools.verify_checkpoint(path)
+    assert not report.ok and any(INDEX in str(p) for p in report.problems), report.problems
+    (path / INDEX).unlink()
+    with pytest.raises(CorruptCheckpointError, match=f"file index .*{INDEX} is missing"):
+        shardsafe.load_full(path)

@@ -197,7 +197,8 @@ def _check(path: Path, states: dict, committed: bool) -> str | None:
     assert which in states, f"unexpected content {which!r}"
     assert _matches(out, states[which]), f"checkpoint mixes states (says {which!r})"
     # The committed directory is complete and holds nothing else.
-    assert sorted(p.name for p in path.iterdir()) == ["data-r00000-00.safetensors", "manifest.json"]
+    assert sorted(p.name for p in path.iterdir()) == ["data-r00000-00.index.json", "data-r00000-00.safetensors",
+                                                      "manifest.json"]
     # The in-place path agrees.
     dest = {"which": None, "tensors": {k: torch.zeros_like(v) for k, v in states[which]["tensors"].items()},
             "meta": {}}

@@ -65,7 +65,7 @@ def assert_files_consistent(path: Path, m: Manifest) -> None:
     used = {c.file for e in m.tensors.values() for c in e.chunks}
     assert used == set(range(len(m.files))), f"data files without chunks: {set(range(len(m.files))) - used}"
     on_disk = {p.name for p in path.iterdir()}
-    assert on_disk == {MANIFEST_NAME} | {f.name for f in m.files}, on_disk
+    assert on_disk == {MANIFEST_NAME} | {f.name for f in m.files} | {f.index_name for f in m.files}, on_disk
     for f in m.files:
         assert (path / f.name).stat().st_size == f.nbytes > f.header_bytes, f.name
 
@@ -306,7 +306,7 @@ def test_explicit_process_groups(pg_pool, tmp_path):
     for g in range(2):
         m = shardsafe.read_manifest(tmp_path / f"g{g}")
         assert m.world_size == 2
-        assert m.rank_local["mine"] == [{"r": 2 * g}, {"r": 2 * g + 1}]
+        assert list(m.rank_local["mine"]) == [{"r": 2 * g}, {"r": 2 * g + 1}]
         assert {c.rank for c in m.tensors["w"].chunks} <= {0, 1}
         dist_cases.assert_bitwise(torch.full((5,), float(g)), shardsafe.load_full(tmp_path / f"g{g}")["w"])
 

@@ -25,7 +25,7 @@ HOSTILE_SAMPLE = [
     "duplicate key: tensor entry", "NaN: chunk column", "lone surrogate: file name \\ud800",
     "shape: product overflow", "checksum_block: 0", "chunks: byte range aliases another tensor",
     "file name: parent escape", "special file: data file is a fifo", "special file: manifest is a symlink",
-    "version: 3.0", "trailer: a second trailer after it", "header: length prefix 2^63",
+    "version: 4.0", "trailer: a second trailer after it", "header: length prefix 2^63",
     "header: dtype code differs", "members: unknown top-level member (accepted)",
 ]
 

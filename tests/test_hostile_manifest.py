@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardsafe
+from format2 import as_format2
 from shardsafe.errors import CorruptCheckpointError, UnsupportedValueError
 from shardsafe.format import strict_json
 from shardsafe.format.checksum import checksum
@@ -43,7 +44,8 @@ DATA = "data-r00000-00.safetensors"
 # --------------------------------------------------------------------------- helpers
 
 
-def make_ckpt(tmp_path: Path, state: dict | None = None) -> Path:
+def make_ckpt(tmp_path: Path, state: dict | None = None, fmt: int = 3) -> Path:
+    """A saved checkpoint (rewritten as format 2.0 with ``fmt=2``: file names are listed)."""
     path = tmp_path / "ck"
     shardsafe.save(state if state is not None else {
         "w": torch.arange(6.0).reshape(2, 3),
@@ -51,6 +53,8 @@ def make_ckpt(tmp_path: Path, state: dict | None = None) -> Path:
         "cfg": {"lr": 0.5, "name": "run"},
         "step": 7,
     }, path)
+    if fmt == 2:
+        as_format2(path)
     return path
 
 
@@ -216,15 +220,15 @@ def test_save_refuses_an_unreadable_int(tmp_path):
 DUPLICATES = {
     # (text to find, replacement, the key named in the error)
     "top_level": ('"world_size":1', '"world_size":1,"world_size":2', "'world_size'"),
-    "tensor_key": ('"tensors":{"w":{"dtype":"float32","shape":[2,3],"kind":"replicated","chunks":[0,1]}',
-                   '"tensors":{"w":{"dtype":"float32","shape":[2,3],"kind":"replicated","chunks":[0,1]},'
-                   '"w":{"dtype":"float32","shape":[2,3],"kind":"replicated","chunks":[0,1]}', "'w'"),
+    "tensor_key": ('"w":{"dtype":"float32","shape":[2,3],"kind":"replicated","chunks":[1,1]}',
+                   '"w":{"dtype":"float32","shape":[2,3],"kind":"replicated","chunks":[1,1]},'
+                   '"w":{"dtype":"float32","shape":[2,3],"kind":"replicated","chunks":[1,1]}', "'w'"),
     # Same itemsize: after "last one wins" everything adds up and the bytes would be reinterpreted.
     "tensor_dtype": ('"w":{"dtype":"float32"', '"w":{"dtype":"float32","dtype":"int32"', "'dtype'"),
     "tensor_layout": ('"shape":[2,3],"kind":"replicated"', '"shape":[2,3],"kind":"replicated",'
                       '"layout":{"mesh_shape":[1],"mesh_shape":[2]}', "'mesh_shape'"),
     "chunk_column": ('"chunks":{"o":[', '"chunks":{"f":[0,0],"o":[', "'f'"),
-    "file_entry": ('"rank":0,', '"rank":0,"rank":0,', "'rank'"),
+    "file_entry": ('"rank":[0],', '"rank":[0],"rank":[0],', "'rank'"),
     "tree": ('"lr":0.5', '"lr":0.5,"lr":0.25', "'lr'"),
     "extra": ('"checksum_block":1048576', '"checksum_block":1048576,"checksum_block":1048576', "'checksum_block'"),
 }
@@ -303,13 +307,13 @@ def test_integer_created_accepted(tmp_path):
     ("..", "not a plain file name"),
 ])
 def test_bad_file_names_refused(tmp_path, name, needle):
-    path = make_ckpt(tmp_path)
+    path = make_ckpt(tmp_path, fmt=2)
     edit(path, f'"name":"{DATA}"', f'"name":"{name}"')
     refused(path, needle)
 
 
 def test_duplicate_file_names_refused(tmp_path):
-    path = make_ckpt(tmp_path)
+    path = make_ckpt(tmp_path, fmt=2)
     text = body_text(path)
     files = json.loads(text)["files"]
     old = json.dumps(files, separators=(",", ":"))
@@ -319,7 +323,7 @@ def test_duplicate_file_names_refused(tmp_path):
 
 def test_longest_and_non_ascii_file_names_load(tmp_path):
     for name in ("n" * 243 + ".safetensors", "é" * 121 + ".safetensors"):  # 255 and 254 bytes
-        path = make_ckpt(tmp_path / str(len(name)))
+        path = make_ckpt(tmp_path / str(len(name)), fmt=2)
         (path / DATA).rename(path / name)
         edit(path, f'"name":"{DATA}"', f'"name":{json.dumps(name)}')
         assert torch.equal(shardsafe.load_full(path)["w"], torch.arange(6.0).reshape(2, 3))

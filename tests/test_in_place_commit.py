@@ -35,12 +35,13 @@ def test_save_overwrite_load(cp, tmp_path):
     path = tmp_path / "ck"
     cp.save(state(1.0), path)
     first = sorted(os.listdir(path))
-    assert first[-1] == "manifest.json" and first[0].startswith("data-r00000-00.") and len(first) == 2
+    assert first[-1] == "manifest.json" and first[0].startswith("data-r00000-00.") and len(first) == 3
+    assert first[0].endswith(".index.json") and first[1] == first[0].replace(".index.json", ".safetensors")
     with pytest.raises(shardsafe.CheckpointExistsError):
         cp.save(state(2.0), path)
     cp.save(state(2.0), path, overwrite=True)
     second = sorted(os.listdir(path))
-    assert len(second) == 2 and second[0] != first[0], "the replaced checkpoint's files are deleted"
+    assert len(second) == 3 and second[0] != first[0], "the replaced checkpoint's files are deleted"
     assert_bitwise(state(2.0), cp.load_full(path))
     dest = state(0.0)
     cp.load(dest, path)
@@ -164,7 +165,7 @@ def test_copy_between_backends_verifies_and_commits_last(tmp_path):
     store.close()
     assert main(["copy", str(tmp_path / "b"), str(tmp_path / "c")]) == 0
     assert_bitwise(state(1.0), shardsafe.load_full(tmp_path / "c"))
-    data = next((tmp_path / "a").glob("data-*"))
+    data = next((tmp_path / "a").glob("data-*.safetensors"))
     raw = bytearray(data.read_bytes())
     raw[-10] ^= 0xFF
     data.write_bytes(bytes(raw))

@@ -26,6 +26,7 @@ from shardsafe import (
     UnexpectedKeysError,
     UnsupportedValueError,
 )
+from shardsafe.format.checksum import checksum
 from shardsafe.format.dtypes import NAME_TO_TORCH
 from shardsafe.storage.faults import Fault, FaultyBackend
 
@@ -670,16 +671,22 @@ def test_manifest_is_json_and_describes_tensors(tmp_path):
     path = tmp_path / "c"
     shardsafe.save(sd, path)
     names = sorted(p.name for p in path.iterdir())
-    assert names == ["data-r00000-00.safetensors", "manifest.json"]
+    assert names == ["data-r00000-00.index.json", "data-r00000-00.safetensors", "manifest.json"]
     body = json.loads((path / "manifest.json").read_bytes())
-    assert body["format"] == "shardsafe" and body["version"] == [2, 0]
+    assert body["format"] == "shardsafe" and body["version"] == [3, 0]
     assert body["tensors"]["a"]["dtype"] == "bfloat16" and body["tensors"]["a"]["shape"] == [2, 3]
-    # The chunk table (docs/format.md): tensor "a" owns row 0, one chunk of 12 bf16 bytes.
+    # The geometry table (docs/format.md): tensor "a" owns row 0, one box in file 0.
     (first, count) = body["tensors"]["a"]["chunks"]
     table = body["chunks"]
-    assert (first, count) == (0, 1) and table["o"][:2] == [0, 0] and table["n"][:2] == [2, 3]
-    start, end = table["b"][0:2]
-    assert end - start == 12 and table["f"][0] == 0 and len(table["x"]) == 16 * len(table["f"])
+    assert (first, count) == (0, 1) and table["o"][:2] == [0, 0] and table["n"][:2] == [2, 3] and table["f"] == [0]
+    index_bytes = (path / "data-r00000-00.index.json").read_bytes()
+    assert body["files"]["rank"] == [0] and body["files"]["index_bytes"] == [len(index_bytes)]
+    assert body["files"]["index_x"] == checksum(index_bytes)
+    # The file's index: tensor 0 ("a") has one chunk of 12 bf16 bytes, with one block checksum.
+    index = json.loads(index_bytes)
+    assert index["chunks"]["t"] == [0] and index["chunks"]["o"] == [0, 0] and index["chunks"]["n"] == [2, 3]
+    start, end = index["chunks"]["b"]
+    assert end - start == 12 and len(index["chunks"]["x"]) == 16
     assert body["tree"]["a"] == {"$tensor": "a"}
     assert body["tree"]["v"] == {"x": {"$tuple": [1, 2]}}
     assert body["tree"]["big"] == {"$int": str(2**100)}

@@ -93,7 +93,8 @@ def test_every_value_kind_round_trips_bitwise(s3):
     info = shardsafe.save(sd, url(bucket, "run", "ckpt"), storage_options=opts)
     keys = server.keys(bucket)
     data = [k for k in keys if k.endswith(".safetensors")]
-    assert keys == sorted(data + ["run/ckpt/manifest.json"]) and len(data) == 1
+    index = [k.removesuffix(".safetensors") + ".index.json" for k in data]
+    assert keys == sorted(data + index + ["run/ckpt/manifest.json"]) and len(data) == 1
     assert info.retries == 0 and server.uploads(bucket) == []
     # the data object is a plain safetensors file, byte for byte what the manifest describes
     head = server.client.head_object(Bucket=bucket, Key=data[0])
@@ -142,7 +143,7 @@ def test_overwrite_replaces_and_deletes_the_old_objects(s3):
     assert server.keys(bucket) == old
     shardsafe.save({"w": torch.full((1000,), 2.0)}, path, storage_options=opts, overwrite=True)
     new = server.keys(bucket)
-    assert len(new) == 2 and "ck/manifest.json" in new and not set(new) & (set(old) - {"ck/manifest.json"})
+    assert len(new) == 3 and "ck/manifest.json" in new and not set(new) & (set(old) - {"ck/manifest.json"})
     assert torch.equal(shardsafe.load_full(path, storage_options=opts)["w"], torch.full((1000,), 2.0))
     assert shardsafe.delete(path, storage_options=opts) is True
     assert server.keys(bucket) == []
@@ -324,7 +325,7 @@ def test_transient_failures_are_retried_and_counted(s3):
         assert torch.equal(dest["b"], sd["b"]) and dest["n"] == 1
         assert li.retries > 0 and sum(proxy.failed.values()) > saved_failures
         assert server.uploads(bucket) == []
-        assert len(server.keys(bucket)) == 2
+        assert len(server.keys(bucket)) == 3  # manifest, data file, its index
     finally:
         proxy.close()
 
@@ -390,7 +391,8 @@ def test_server_stopped_in_the_middle_of_a_save():
         shardsafe.save(new, path, storage_options=opts, overwrite=True)
         got = shardsafe.load_full(path, storage_options=opts)
         assert_same(got["big"], new["big"])
-        listed = {"ck/" + f.name for f in shardsafe.read_manifest(path, storage_options=opts).files}
+        listed = {"ck/" + n for f in shardsafe.read_manifest(path, storage_options=opts).files
+                  for n in (f.name, f.index_name)}
         assert listed <= set(server.keys(bucket))
         assert not (set(server.keys(bucket)) - listed - {"ck/manifest.json"}) & set(before)
     finally:
@@ -413,7 +415,7 @@ def test_lost_answers_leave_nothing_behind(s3, request_line):
         info = shardsafe.save(sd, url(bucket, "ck"), storage_options=options(opts, endpoint=proxy.endpoint))
         assert proxy.failed["lost"] == 1 and info.retries == 1
         assert server.uploads(bucket) == []
-        assert len(server.keys(bucket)) == 2
+        assert len(server.keys(bucket)) == 3  # manifest, data file, its index
         assert_same(shardsafe.load_full(url(bucket, "ck"), storage_options=opts)["a"], sd["a"])
     finally:
         proxy.close()
@@ -499,7 +501,8 @@ def test_sigkill_during_saves_leaves_a_whole_checkpoint(s3, tmp_path, delay):
     assert i in (done[-1], done[-1] + 1)
     assert torch.equal(got["a"], torch.full((3 << 20,), float(i)))
     assert torch.equal(got["b"], torch.full((1000,), float(i)))
-    listed = {"ck/" + f.name for f in shardsafe.read_manifest(path, storage_options=opts).files} | {"ck/manifest.json"}
-    assert all(k.endswith(".safetensors") for k in set(server.keys(bucket)) - listed)
+    files = shardsafe.read_manifest(path, storage_options=opts).files
+    listed = {"ck/" + n for f in files for n in (f.name, f.index_name)} | {"ck/manifest.json"}
+    assert all(k.endswith((".safetensors", ".index.json")) for k in set(server.keys(bucket)) - listed)
     shardsafe.save({"a": torch.ones(3), "i": -1}, path, storage_options=opts, overwrite=True)
     assert shardsafe.load_full(path, storage_options=opts)["i"] == -1

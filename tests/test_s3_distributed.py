@@ -46,7 +46,8 @@ def _data_and_manifest(server, bucket: str, prefix: str, opts: dict) -> tuple[in
     objects = _objects(server, bucket, prefix)
     m = shardsafe.read_manifest(f"s3://{bucket}/{prefix}", storage_options=opts)
     data = {f"{prefix}/{f.name}" for f in m.files}
-    assert set(objects) == data | {f"{prefix}/{MANIFEST_NAME}"}, sorted(objects)
+    indexes = {f"{prefix}/{f.index_name}" for f in m.files}
+    assert set(objects) == data | indexes | {f"{prefix}/{MANIFEST_NAME}"}, sorted(objects)
     for f in m.files:
         assert objects[f"{prefix}/{f.name}"] == f.nbytes, f.name
     return sum(objects[k] for k in data), objects[f"{prefix}/{MANIFEST_NAME}"]

@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from .format.file_index import data_name, index_name
 from .format.manifest import MANIFEST_NAME
 from .storage.base import Backend, Folder, Lock
 
@@ -163,6 +164,12 @@ def clean_leftovers(parent: Folder, name: str) -> list[str]:
 
 
 DATA_EXT = ".safetensors"
+INDEX_EXT = ".index.json"
+
+
+def _is_data(name: str, suffix: str = "") -> bool:
+    """A data file or a data file's index (of the save with id ``suffix``, when given)."""
+    return name.startswith("data-") and (name.endswith(suffix + DATA_EXT) or name.endswith(suffix + INDEX_EXT))
 
 
 def _manifest_files(folder: Folder) -> set[str]:
@@ -172,6 +179,9 @@ def _manifest_files(folder: Folder) -> set[str]:
     try:
         data = folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
         files = json.loads(data[: data.rfind(b', "manifest_xxh3_64"')] + b"}").get("files", [])
+        if isinstance(files, dict):  # format 3: names follow from ranks and the save id; each has an index
+            names = [data_name(r, files.get("id", "")) for r in files.get("rank", []) if isinstance(r, int)]
+            return set(names) | {index_name(n) for n in names}
         return {f["name"] for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)}
     except (CheckpointError, ValueError, TypeError, AttributeError):
         return set()
@@ -185,7 +195,7 @@ def clean_in_place(folder: Folder, now: float | None = None) -> list[str]:
     now = time.time() if now is None else now
     done = []
     for n in folder.names():
-        if n in keep or not (n.startswith("data-") and n.endswith(DATA_EXT)):
+        if n in keep or not _is_data(n):
             continue
         with contextlib.suppress(CheckpointError):
             if now - folder.mtime(n) >= STALE_AFTER:
@@ -221,7 +231,7 @@ def check_target(parent: Folder, name: str, overwrite: bool) -> None:
     with parent.open_folder(name) as f:
         names = f.names()
         if not parent.can_rename:  # in place: a killed save's data files may be there, nothing else
-            names = [n for n in names if not (n.startswith("data-") and n.endswith(DATA_EXT))]
+            names = [n for n in names if not _is_data(n)]
         if names:
             raise CheckpointError(f"cannot save to {where}: the folder is not empty and holds no shardsafe checkpoint")
 
@@ -276,7 +286,7 @@ class SaveTarget:
                     f"a checkpoint was committed at {self.location} while this save was running; "
                     "pass overwrite=True to replace it") from None
             raise
-        mine = {n for n in self.staging.names() if n.endswith(self.suffix + DATA_EXT)}
+        mine = {n for n in self.staging.names() if _is_data(n, self.suffix)}
         for stale in sorted(old - mine):
             with contextlib.suppress(CheckpointError):
                 self.staging.remove(stale)
@@ -287,7 +297,7 @@ class SaveTarget:
         with contextlib.suppress(Exception):
             if self.in_place:
                 for n in self.staging.names():
-                    if n.endswith(self.suffix + DATA_EXT):
+                    if _is_data(n, self.suffix):
                         self.staging.remove(n)
                 return
             self.staging.close()

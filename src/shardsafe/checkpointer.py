@@ -247,7 +247,10 @@ class Checkpointer:
         """Parse and verify the manifest of the committed checkpoint at ``path``."""
         backend, location = self.locate(path, storage_options)
         opened = read_manifest_phase(backend, location)
-        opened.close()
+        try:
+            opened.manifest.load_all_indexes()  # so the manifest stands alone once the folder is closed
+        finally:
+            opened.close()
         return opened.manifest
 
     def load(self, state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, verify: bool = True,

@@ -145,6 +145,44 @@ class Comm:
         dist.all_gather(out, mine, group=self.group)
         return [bytes(o[:k].cpu().numpy().tobytes()) for o, k in zip(out, n, strict=True)]
 
+    def gather_ints(self, values: list[int]) -> list[list[int]] | None:
+        """Every rank's int64 ``values`` (the same count on every rank) on rank 0, None
+        elsewhere: one fixed-size tensor gather, no pickle."""
+        if not self.distributed:
+            return [list(values)]
+        import torch
+
+        dev = self._device()
+        mine = torch.tensor(values, dtype=torch.int64, device=dev)
+        out = [torch.empty_like(mine) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(mine, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        if out is None:
+            return None
+        return torch.stack(out).cpu().tolist()
+
+    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
+        """Group rank ``src``'s ``data`` on every rank (two tensor broadcasts, no pickle)."""
+        if not self.distributed:
+            assert data is not None
+            return data
+        import torch
+
+        dev = self._device()
+        root = dist.get_global_rank(self.group, src)
+        size = torch.tensor([len(data) if self.rank == src and data is not None else 0], dtype=torch.int64,
+                            device=dev)
+        dist.broadcast(size, src=root, group=self.group)
+        n = int(size.item())
+        if self.rank == src:
+            assert data is not None
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if n else \
+                torch.zeros(0, dtype=torch.uint8, device=dev)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8, device=dev)
+        if n:
+            dist.broadcast(buf, src=root, group=self.group)
+        return data if self.rank == src and data is not None else bytes(buf.cpu().numpy().tobytes())
+
     def broadcast_ints(self, values: list[int] | None, count: int) -> list[int]:
         """Rank 0's ``count`` int64 values on every rank (a plain tensor broadcast)."""
         if not self.distributed:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_folder import open_committed
+from .checkpoint_folder import MAX_MANIFEST_BYTES, open_committed
 from .engine.memory import HostMemory
 from .engine.reader import OpenFiles, Reader
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.checksum import checksum
-from .format.manifest import Manifest
+from .format.manifest import MANIFEST_NAME, Manifest
 from .plan.load_plan import DEFAULT_MAX_BUFFER, BlockCheck, Dest, ReadOp, block_checks, plan_reads
 from .state.match import Fill, Matcher, MatchResult
 from .storage.base import Backend, Folder
@@ -74,7 +74,43 @@ def read_manifest_phase(backend: Backend, location: str) -> Opened:
     except BaseException:
         folder.close()
         raise
-    return Opened(location, folder, manifest, int(checksum(data), 16))
+    digest = int(checksum(data), 16)
+    manifest.index_source = index_reader(folder, digest, backend.remote)
+    return Opened(location, folder, manifest, digest)
+
+
+INDEX_THREADS = 16  # file indexes fetched at once from a remote backend
+
+
+def index_reader(folder: Folder, digest: int, remote: bool) -> Callable[[list[tuple[str, int]]], list[bytes]]:
+    """Reads (name, expected size) file indexes from ``folder`` (several at once on a
+    remote backend). A missing index is a corrupt checkpoint, or, when the folder's
+    manifest is no longer the one read (``digest``), a checkpoint replaced meanwhile."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .errors import CheckpointChangedError, CheckpointNotFoundError
+
+    def one(item: tuple[str, int]) -> bytes:
+        name, size = item
+        try:
+            return folder.read_bytes(name, size + 1)
+        except CheckpointNotFoundError:
+            try:
+                now = folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+            except CheckpointError:
+                now = b""
+            if int(checksum(now), 16) != digest:
+                raise CheckpointChangedError(
+                    f"{folder.location}: the checkpoint was deleted or replaced while it was read") from None
+            raise CorruptCheckpointError(f"file index {folder.where(name)} is missing") from None
+
+    def read(items: list[tuple[str, int]]) -> list[bytes]:
+        if remote and len(items) > 1:
+            with ThreadPoolExecutor(min(INDEX_THREADS, len(items)), thread_name_prefix="shardsafe-index") as pool:
+                return list(pool.map(one, items))
+        return [one(i) for i in items]
+
+    return read
 
 
 def dests_of(fills: list[Fill]) -> list[Dest]:

@@ -5,18 +5,22 @@ Every phase takes and returns plain data (the live tensors stay in the
 is a :class:`~shardsafe.comm.Comm` call. Protocol (every rank of the group calls it):
 
 1. **describe** each rank flattens its state and describes what it holds (keys, dtypes,
-   shapes, boxes); rank 0 begins the save (checks the target, cleans leftovers, creates
-   and locks the temp folder). One ``all_gather`` shares descriptions, the temp folder's
-   name and any error. When ranks hold different value trees (pipeline stages), a second
-   ``all_gather`` of those trees lets every rank merge them and refuse a key whose kind
-   differs between ranks, before anything is written.
+   shapes; boxes, or for a regularly sharded DTensor its mesh and placements, a rule);
+   rank 0 begins the save (checks the target, cleans leftovers, creates and locks the
+   temp folder). One ``all_gather`` of small fixed data shares the layouts' digests, the
+   temp folder's name and any error; then only the first rank of each distinct layout
+   sends it (SPMD ranks share one). When ranks hold different value trees (pipeline
+   stages), an ``all_gather`` of those trees lets every rank merge them and refuse a key
+   whose kind differs between ranks, before anything is written.
 2. **plan** every rank computes the same global plan (cached by the ranks' layouts).
 3. **stage** this rank's data file is laid out and its bytes borrowed or copied into
    slots of the memory budget.
 4. **write** the bytes are hashed and written; the file is made durable.
-5. **commit** one ``gather`` brings every rank's file entry and checksums to rank 0,
-   which writes the manifest last and publishes the checkpoint; a small tensor
-   broadcast tells every rank whether it committed (the same error on all ranks if not).
+5. **commit** each rank writes its file's index (byte ranges, block checksums, its
+   rank-local values); ranks agree on errors, then one fixed-size tensor ``gather`` brings
+   each rank's file size and index size and digest to rank 0, which builds the manifest
+   from the plan (O(tensors + files)), writes it last and publishes the checkpoint; a small
+   tensor broadcast tells every rank whether it committed.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from .engine.writer import WrittenFile
 from .errors import CheckpointError, UnsupportedValueError
 from .format.checksum import checksum
 from .format.dtypes import dtype_name, safetensors_code
-from .format.manifest import Chunk, FileEntry, Manifest, TensorEntry
+from .format.file_index import IndexedChunk, build_index, index_name
+from .format.manifest import FORMAT_VERSION, FileEntry, Manifest, TensorEntry
+from .format.rules import Mesh, placements_json
 from .hints import warn_user
 from .layout import Box
 from .plan.save_plan import (
@@ -49,7 +55,9 @@ from .plan.save_plan import (
     data_file_name,
     layout_digest,
     layout_file,
+    layouts_of_wire,
     plan_global,
+    wire_of,
 )
 from .state.sharding import dtensor_pieces, is_dtensor, layout_of, local_of
 from .state.tree import FlatState, flatten, join_key
@@ -80,14 +88,12 @@ class Described:
     local tensor of every box it holds (``sources``, resolved by the writer)."""
 
     flat: FlatState
-    layouts: list[TensorLayout]
-    dlayouts: dict[str, Any]
+    layouts: list[TensorLayout]  # planned with the other ranks
+    local: list[TensorLayout]  # rank-local tensors: written by this rank, never planned
     sources: dict[tuple[str, Box], torch.Tensor]
+    wire: bytes
     signature: str
     tree_digest: str
-
-    def wire(self) -> list[tuple]:
-        return [tl.to_wire() for tl in self.layouts]
 
     def source(self, chunk: ChunkWrite) -> torch.Tensor:
         """The local tensor holding ``chunk``'s box (a row range of a held box when split)."""
@@ -106,13 +112,15 @@ def _is_replicate(p: Any) -> bool:
     return isinstance(p, Replicate)
 
 
-def describe(state: dict[str, Any], rank: int) -> Described:
+def describe(state: dict[str, Any], rank: int, group_rank: Any = None) -> Described:
     """Flatten ``state`` and describe this rank's tensors (UnsupportedValueError naming the
-    key for anything that cannot be saved)."""
+    key for anything that cannot be saved). ``group_rank`` maps a global rank to its rank
+    in the saving group (None: the identity); a DTensor whose mesh it cannot map is
+    described box by box instead of by rule."""
     flat = flatten(state, rank)
     layouts: list[TensorLayout] = []
+    local: list[TensorLayout] = []
     sources: dict[tuple[str, Box], torch.Tensor] = {}
-    dlayouts: dict[str, Any] = {}
     for key, t in flat.tensors.items():
         name = dtype_name(t.dtype, key)
         _check_saveable(key, t)
@@ -126,15 +134,36 @@ def describe(state: dict[str, Any], rank: int) -> Described:
             for p in pieces:
                 sources[(key, p.box)] = local_t[p.local_slices]
             kind = "sharded" if any(not _is_replicate(p) for p in t.placements) else "replicated"
-            dlayouts[key] = layout_of(t)
+            rule = _rule_key(t, group_rank) if kind == "sharded" else None
+            layouts.append(TensorLayout(key, name, tuple(t.shape), t.element_size(), kind, boxes, rule,
+                                        None if rule is not None else layout_of(t)))
+            continue
+        boxes = [Box.whole(t.shape)]
+        sources[(key, boxes[0])] = t
+        if key in flat.rank_local_tensors:
+            local.append(TensorLayout(key, name, tuple(t.shape), t.element_size(), "rank_local", boxes))
         else:
-            boxes = [Box.whole(t.shape)]
-            sources[(key, boxes[0])] = t
-            kind = "rank_local" if key in flat.rank_local_tensors else "replicated"
-        layouts.append(TensorLayout(key, name, tuple(t.shape), t.element_size(), kind, boxes))
-    wire = [tl.to_wire() for tl in layouts]
-    return Described(flat, layouts, dlayouts, sources, checksum(repr(wire).encode()),
-                     checksum(repr(flat.tree).encode()))
+            layouts.append(TensorLayout(key, name, tuple(t.shape), t.element_size(), "replicated", boxes))
+    wire = wire_of(layouts)
+    return Described(flat, layouts, local, sources, wire, checksum(wire), checksum(repr(flat.tree).encode()))
+
+
+def _rule_key(t: Any, group_rank: Any) -> tuple | None:
+    """A DTensor's layout as a rule (mesh shape, the saving group's rank at each mesh
+    coordinate, dim names; placements), or None when it has none (docs/format.md, rules)."""
+    if not t.shape or 0 in t.shape:
+        return None
+    placements = placements_json(t.placements, len(t.shape))
+    if placements is None:
+        return None
+    mesh = t.device_mesh
+    ranks = mesh.mesh.flatten().tolist()
+    if group_rank is not None:
+        ranks = [group_rank.get(r) for r in ranks]
+        if None in ranks:
+            return None
+    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+    return (tuple(mesh.shape), tuple(ranks), names), tuple(tuple(p) for p in placements)
 
 
 def _check_saveable(key: str, t: torch.Tensor) -> None:
@@ -159,7 +188,7 @@ class PlanCache:
         self.size = size
         self.plans: OrderedDict[str, GlobalPlan] = OrderedDict()
 
-    def plan(self, wires: list[list[tuple] | None], signatures: list[str]) -> tuple[GlobalPlan, bool]:
+    def plan(self, wires: list[bytes | None], signatures: list[str]) -> tuple[GlobalPlan, bool]:
         """The global plan for the gathered layouts (ranks whose layout equals an earlier
         rank's may send None) and whether it came from the cache."""
         digest = layout_digest([signatures])
@@ -171,7 +200,7 @@ class PlanCache:
         layouts: list[list[TensorLayout]] = []
         for sig, ws in zip(signatures, wires):
             if ws is not None and sig not in first:
-                first[sig] = [TensorLayout.from_wire(w) for w in ws]
+                first[sig] = layouts_of_wire(ws)
             layouts.append(first[sig])
         plan = plan_global(layouts, signatures)
         self.plans[digest] = plan
@@ -203,6 +232,7 @@ class PreparedSave:
     backend: Backend | None = None
     retries0: int = 0
     error: BaseException | None = None  # this rank could not open the temp folder: finish() reports it
+    suffix: str = ""  # the save id in data file names ("" where the folder is renamed into place)
 
 
 def replica_digests(described: Described) -> dict[tuple[str, Box], str]:
@@ -251,20 +281,19 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
     target: SaveTarget | None = None
     tmp = ""
     try:
-        described = describe(state, comm.rank)
+        described = describe(state, comm.rank, _group_ranks(comm))
         if comm.rank == 0:
             target = begin_save(backend, location, overwrite)
             tmp = target.tmp + "\n" + target.suffix
     except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
         error = exc
-    wire = described.wire() if described is not None else []
     digests: dict = {}
     if check and described is not None and error is None and comm.distributed:
         try:
             digests = replica_digests(described)
         except Exception as exc:  # noqa: BLE001
             error = exc
-    mine = (None if error is None else describe_error(error, comm.rank), wire,
+    mine = (None if error is None else describe_error(error, comm.rank), None,
             described.tree_digest if described else "", tmp, described.signature if described else "", digests)
     gathered = comm.all_gather(mine)
     staging: Folder | None = None
@@ -280,12 +309,14 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
         if check:
             check_replicas([g[5] for g in gathered])
         tree = _agreed_tree(comm, described, [g[2] for g in gathered])
-        plan, cached = cache.plan([g[1] for g in gathered], [g[4] for g in gathered])
-        assigned = plan.by_rank[comm.rank]
+        signatures = [g[4] for g in gathered]
+        plan, cached = cache.plan(_distinct_wires(comm, described, signatures), signatures)
+        assigned = plan.assignments(comm.rank, described.layouts, described.local)
         mine_file = None
-        if assigned:
-            codes = {tl.key: safetensors_code(described.flat.tensors[tl.key].dtype) for tl in described.layouts}
-            sizes = {tl.key: tl.itemsize for tl in described.layouts}
+        if assigned or described.flat.rank_local:
+            every = described.layouts + described.local
+            codes = {tl.key: safetensors_code(described.flat.tensors[tl.key].dtype) for tl in every}
+            sizes = {tl.key: tl.itemsize for tl in every}
             mine_file = layout_file(data_file_name(comm.rank, 0, suffix), comm.rank, assigned, codes, sizes)
             try:
                 staging = target.staging if target is not None else _open_staging(backend, parent_location, tmp)
@@ -298,7 +329,32 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
             target.parent.close()
         raise
     return PreparedSave(comm, location, parent_location, tmp, plan, cached, mine_file, described, tree, t0,
-                        overwrite, target, staging, backend, retries0, staging_error)
+                        overwrite, target, staging, backend, retries0, staging_error, suffix)
+
+
+def _group_ranks(comm: Comm) -> dict[int, int] | None:
+    """Global rank -> rank in the saving group (None without a process group)."""
+    if not comm.distributed:
+        return None
+    import torch.distributed as dist
+
+    return {g: i for i, g in enumerate(dist.get_process_group_ranks(comm.group))}
+
+
+def _distinct_wires(comm: Comm, described: Described, signatures: list[str]) -> list[bytes | None]:
+    """Every distinct layout, sent once: by the first rank that has it (SPMD ranks share
+    their layout, so this is one or a few broadcasts, not one message per rank)."""
+    if not comm.distributed:
+        return [described.wire]
+    leaders: dict[str, int] = {}
+    for rank, sig in enumerate(signatures):
+        leaders.setdefault(sig, rank)
+    if len(leaders) == comm.world:  # every rank differs: one all-gather
+        return list(comm.all_gather_bytes(described.wire))
+    out: list[bytes | None] = [None] * comm.world
+    for leader in leaders.values():
+        out[leader] = comm.broadcast_bytes(described.wire if comm.rank == leader else None, leader)
+    return out
 
 
 def _open_staging(backend: Backend, parent_location: str, tmp: str) -> Folder:
@@ -367,14 +423,22 @@ def _kind_of(node: Any) -> str:
 # ----------------------------------------------------------------------------- commit
 
 
-FileResult = tuple[FileEntry, list[tuple[str, Box, int, int, list[str]]]]
+FileResult = tuple[FileEntry, bytes]  # a written data file and its index's bytes
 
 
 def file_result(prep: PreparedSave, written: WrittenFile) -> FileResult:
-    """A written file as plain data for the commit gather."""
+    """A written file and its index (byte ranges, block checksums, this rank's rank-local
+    values), as plain data for the commit."""
     assert prep.mine is not None
-    return written.entry, [(c.key, c.box, c.start, c.end, sums)
-                           for c, sums in zip(prep.mine.chunks, written.checksums)]
+    order = prep.plan.ordinal()
+    local = {tl.key: i for i, tl in enumerate(sorted(prep.described.local, key=lambda t: t.key))}
+    base = len(order)
+    chunks = [IndexedChunk(order[c.key] if c.key in order else base + local[c.key], c.box.offsets, c.box.lengths,
+                           c.start, c.end, sums) for c, sums in zip(prep.mine.chunks, written.checksums)]
+    local_tensors = {tl.key: (tl.dtype, tl.shape) for tl in sorted(prep.described.local, key=lambda t: t.key)}
+    data = build_index(prep.comm.rank, written.entry.header_bytes, written.entry.header_checksum, chunks,
+                       local_tensors, prep.described.flat.rank_local)
+    return written.entry, data
 
 
 def finish(prep: PreparedSave, results: list[FileResult], error: BaseException | None) -> SaveInfo:
@@ -393,23 +457,30 @@ def finish(prep: PreparedSave, results: list[FileResult], error: BaseException |
 
 def _finish(prep: PreparedSave, results: list[FileResult], error: BaseException | None) -> SaveInfo:
     comm = prep.comm
-    described = prep.described
-    collected = comm.gather((None if error is None else describe_error(error, comm.rank), results,
-                             described.flat.rank_local, described.dlayouts))
-    if error is not None and not comm.distributed:
+    summary = [0, 0, 0, 0]  # has a file, its bytes, its index's bytes, the index's XXH3-64 (as int64)
+    if error is None and results:
+        try:
+            entry, index = results[0]
+            if prep.staging is None:
+                raise CheckpointError("the save's folder could not be opened on this rank")
+            prep.staging.write_bytes(index_name(entry.name), index)
+            digest = int(checksum(index), 16)
+            summary = [1, entry.nbytes, len(index), digest - (1 << 64) if digest >= 1 << 63 else digest]
+        except BaseException as exc:  # noqa: BLE001 - agreed on below
+            error = exc
+    try:
+        comm.agree(error)
+    except BaseException:
         if prep.target is not None:
             prep.target.abort()
-        raise error
+        raise
+    summaries = comm.gather_ints(summary)
     status: tuple[str, str] | None = None
     if comm.rank == 0:
-        assert collected is not None and prep.target is not None
+        assert summaries is not None and prep.target is not None
         try:
-            bad = [c[0] for c in collected if c[0] is not None]
-            if bad:
-                status = bad[0]
-            else:
-                manifest = build_manifest(prep.plan, collected, prep.tree, comm.world)
-                prep.target.commit(manifest.to_bytes(), prep.overwrite)
+            manifest = build_manifest(prep.plan, summaries, prep.tree, comm.world, prep.suffix)
+            prep.target.commit(manifest.to_bytes(), prep.overwrite)
         except BaseException as exc:
             if not comm.distributed:
                 prep.target.abort()
@@ -421,36 +492,59 @@ def _finish(prep: PreparedSave, results: list[FileResult], error: BaseException 
     if status is not None:
         raise rebuild(status) from error
     mine = sum(e.nbytes for e, _ in results)
-    return SaveInfo(prep.location, mine, len(results), len(described.flat.tensors), time.perf_counter() - prep.t0,
-                    prep.plan_cached, prep.backend.retries - prep.retries0 if prep.backend is not None else 0)
+    return SaveInfo(prep.location, mine, len(results), len(prep.described.flat.tensors),
+                    time.perf_counter() - prep.t0, prep.plan_cached,
+                    prep.backend.retries - prep.retries0 if prep.backend is not None else 0)
 
 
-def build_manifest(plan: GlobalPlan, collected: list, tree: Any, world: int) -> Manifest:
-    """The manifest of a save from the plan and every rank's written files."""
-    dlayouts: dict[str, Any] = {}
-    for c in collected:
-        for k, v in c[3].items():
-            dlayouts.setdefault(k, v)
-    tensors = {key: TensorEntry(dt, shape, kind, [], dlayouts.get(key)) for key, (dt, shape, kind) in
-               plan.tensors.items()}
+def build_manifest(plan: GlobalPlan, summaries: list[list[int]], tree: Any, world: int, file_id: str) -> Manifest:
+    """The format-3 manifest of a save, from the plan and each rank's (has a file, bytes,
+    index bytes, index digest): O(tensors + files), no chunk of a rule tensor listed."""
     files: list[FileEntry] = []
-    rank_local: dict[str, list[Any]] = {}
-    for rank, (_, results, rl, _) in enumerate(collected):
-        for entry, chunks in results:
-            index = len(files)
-            files.append(entry)
-            for key, box, start, end, sums in chunks:
-                tensors[key].chunks.append(Chunk(box.offsets, box.lengths, index, start, end, sums, rank))
-        for key, value in rl.items():
-            rank_local.setdefault(key, [None] * world)[rank] = value
-    for entry in tensors.values():
-        entry.chunks.sort(key=lambda c: c.offsets)
+    file_of_rank: dict[int, int] = {}
+    for rank, (has, nbytes, index_bytes, digest) in enumerate(summaries):
+        if has:
+            file_of_rank[rank] = len(files)
+            files.append(FileEntry(data_file_name(rank, 0, file_id), nbytes, rank, 0, "", index_bytes,
+                                   format(digest & ((1 << 64) - 1), "016x")))
+    boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], int]]] = {}
+    for rank, assigned in enumerate(plan.by_rank):
+        for a in assigned:
+            boxes.setdefault(a.key, []).append((a.box.offsets, a.box.lengths, file_of_rank[rank]))
+    meshes: dict[Mesh, None] = {}
+    tensors: dict[str, TensorEntry] = {}
+    for key, (dtype, shape, kind) in plan.tensors.items():
+        rule = plan.rules.get(key)
+        if rule is not None:
+            meshes.setdefault(rule.mesh)
+            tensors[key] = TensorEntry.by_rule(dtype, shape, kind, rule)
+        else:
+            tensors[key] = TensorEntry.by_boxes(dtype, shape, kind, boxes[key], plan.layouts.get(key))
     return Manifest(
         tree=tree,
         tensors=tensors,
         files=files,
         world_size=world,
-        rank_local=rank_local,
+        rank_local=_rank_local_keys(tree),
         writer={"shardsafe": __version__, "torch": torch.__version__},
         extra={"checksum_block": CHECKSUM_BLOCK},
+        version=FORMAT_VERSION,
+        meshes=list(meshes),
+        file_id=file_id,
     )
+
+
+def _rank_local_keys(tree: Any) -> list[str]:
+    """The keys of the rank-local placeholders in a saved value tree."""
+    out: list[str] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if len(node) == 1 and "$rank_local" in node and isinstance(node["$rank_local"], str):
+                out.append(node["$rank_local"])
+            else:
+                stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return sorted(set(out))

@@ -131,6 +131,7 @@ class OpenFiles:
         """Verify file ``index``'s header against the manifest (once per session)."""
         if index in self.headers_ok:
             return
+        self.manifest.load_indexes([index])  # format 3: the header's size and digest are in the index
         entry = self.manifest.files[index]
         buf = bytearray(entry.header_bytes)
         self.handle(index).read_into([memoryview(buf)], 0)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
@@ -19,13 +20,18 @@ import numpy as np
 from ..errors import CorruptCheckpointError, FormatVersionError
 from ..gcpause import gc_paused
 from .checksum import ALGORITHM, checksum
-from .chunk_table import Chunk, ChunkTable, table_json
+from .chunk_table import HEX, Chunk, ChunkTable, table_json
+from .file_index import FileIndex, data_name, index_name, verify_index
+from .rules import Mesh, Rule, parse_placement
 from .strict_json import MAX_MEMBER_DEPTH, _count, _duplicate, _parse_json, _show  # noqa: F401 (re-exported)
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "shardsafe"
-FORMAT_VERSION = (2, 0)
-READABLE_MAJORS = (1, 2)
+FORMAT_VERSION = (3, 0)
+"""What saves write: layouts as rules, byte ranges and checksums in per-file indexes."""
+TABLE_VERSION = (2, 0)
+"""The layout of a Manifest built from explicit chunk lists (every chunk in one table)."""
+READABLE_MAJORS = (1, 2, 3)
 _TRAILER = b', "manifest_xxh3_64": "'
 
 KINDS = ("replicated", "sharded", "rank_local")
@@ -52,7 +58,8 @@ class TensorEntry:
     points into the manifest's :class:`ChunkTable` and builds Chunk objects only when
     ``chunks`` is first read (:meth:`chunks_meeting` needs none for the others)."""
 
-    __slots__ = ("dtype", "shape", "kind", "layout", "_chunks", "_table", "_lo", "_hi")
+    __slots__ = ("dtype", "shape", "kind", "layout", "_chunks", "_table", "_lo", "_hi", "rule", "_geom", "_owner",
+                 "_ord")
 
     def __init__(self, dtype: str, shape: tuple[int, ...], kind: str = "replicated",
                  chunks: list[Chunk] | None = None, layout: dict[str, Any] | None = None) -> None:
@@ -63,6 +70,26 @@ class TensorEntry:
         self._chunks: list[Chunk] | None = [] if chunks is None else chunks
         self._table: ChunkTable | None = None
         self._lo = self._hi = 0
+        self.rule: Rule | None = None  # format 3: the chunks follow from this rule
+        self._geom: list[tuple[tuple[int, ...], tuple[int, ...], int]] | None = None  # format 3: explicit boxes
+        self._owner: Manifest | None = None  # format 3: resolves byte ranges through file indexes
+        self._ord = -1
+
+    @staticmethod
+    def by_rule(dtype: str, shape: tuple[int, ...], kind: str, rule: Rule) -> TensorEntry:
+        """A format-3 entry whose chunks follow from ``rule``."""
+        entry = TensorEntry(dtype, shape, kind, None, rule_layout(rule))
+        entry._chunks, entry.rule = None, rule
+        return entry
+
+    @staticmethod
+    def by_boxes(dtype: str, shape: tuple[int, ...], kind: str,
+                 boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]],
+                 layout: dict[str, Any] | None = None) -> TensorEntry:
+        """A format-3 entry with explicit chunk boxes (offsets, lengths, file index)."""
+        entry = TensorEntry(dtype, shape, kind, None, layout)
+        entry._chunks, entry._geom = None, sorted(boxes)
+        return entry
 
     @staticmethod
     def in_table(dtype: str, shape: tuple[int, ...], kind: str, layout: dict[str, Any] | None,
@@ -71,28 +98,75 @@ class TensorEntry:
         entry = _new_entry(TensorEntry)  # no __init__: parsing builds 100k+ of these
         entry.dtype, entry.shape, entry.kind, entry.layout = dtype, shape, kind, layout
         entry._chunks, entry._table, entry._lo, entry._hi = None, table, lo, hi
+        entry.rule = entry._geom = entry._owner = None
+        entry._ord = -1
         return entry
 
     @property
     def chunks(self) -> list[Chunk]:
-        """The chunks, sorted by offsets (built from the table on first use)."""
+        """The chunks, sorted by offsets (built from the table, or for format 3 computed
+        and resolved through the file indexes, on first use)."""
         if self._chunks is None:
-            assert self._table is not None
-            self._chunks = self._table.chunks(self._lo, self._hi)
+            if self._table is not None:
+                self._chunks = self._table.chunks(self._lo, self._hi)
+            else:
+                self._chunks = self._resolve(self.boxes())
         return self._chunks
 
     @chunks.setter
     def chunks(self, value: list[Chunk]) -> None:
-        self._chunks, self._table = value, None
+        self._chunks, self._table, self.rule, self._geom = value, None, None, None
 
     @property
     def chunk_count(self) -> int:
         """Number of chunks (without building them)."""
+        if self.rule is not None:
+            return self.rule.count()
+        if self._geom is not None:
+            return len(self._geom)
         return len(self._chunks) if self._chunks is not None else self._hi - self._lo
+
+    def boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+        """(offsets, lengths, file index) of every chunk, without reading any file index."""
+        if self.rule is not None:
+            return self._to_files(self.rule.all_boxes())
+        if self._geom is not None:
+            return list(self._geom)
+        return [(c.offsets, c.lengths, c.file) for c in self.chunks]
+
+    def boxes_meeting(self, offsets: tuple[int, ...], lengths: tuple[int, ...]
+                      ) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+        """(offsets, lengths, file index) of the chunks that overlap the box ``offsets +
+        lengths``, without reading any file index."""
+        if self.rule is not None:
+            return self._to_files(self.rule.boxes_meeting(offsets, lengths))
+        if self._geom is not None:
+            ends = [o + n for o, n in zip(offsets, lengths)]
+            return [g for g in self._geom if all(
+                co < e and co + cn > o and cn > 0 for co, cn, o, e in zip(g[0], g[1], offsets, ends))]
+        return [(c.offsets, c.lengths, c.file) for c in self.chunks_meeting(offsets, lengths)]
+
+    def _to_files(self, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]
+                  ) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+        """Rule boxes (offsets, lengths, saving rank) with the rank replaced by its file."""
+        assert self._owner is not None
+        of_rank = self._owner.file_of_rank
+        try:
+            return [(o, n, of_rank[r]) for o, n, r in boxes]
+        except KeyError as exc:
+            raise CorruptCheckpointError(f"tensor '{self._owner.key_of(self._ord)}': its rule puts a chunk in the "
+                                         f"file of rank {exc.args[0]}, which wrote none") from None
+
+    def _resolve(self, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> list[Chunk]:
+        assert self._owner is not None
+        return self._owner.resolve(self._ord, boxes)
 
     def chunks_meeting(self, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> list[Chunk]:
         """The chunks whose boxes overlap the box ``offsets + lengths``; for a parsed entry
-        found with one vectorized test over the table, building only those chunks."""
+        found with one vectorized test over the table (format 2) or computed from the
+        rule (format 3), building only those chunks."""
+        if self._chunks is None and self._table is None:
+            return self._resolve(self.boxes_meeting(offsets, lengths))
         if self._chunks is None and self._table is not None and self._hi - self._lo > _VECTOR_MIN:
             return [self._table.chunk(c) for c in self._table.meeting(self._lo, self._hi, offsets, lengths)]
         ends = [o + n for o, n in zip(offsets, lengths)]
@@ -119,8 +193,15 @@ class FileEntry:
     name: str
     nbytes: int
     rank: int
-    header_bytes: int
+    header_bytes: int  # format 3: 0 until the file's index is read
     header_checksum: str
+    index_bytes: int = 0  # format 3: the size and XXH3-64 of the file's index
+    index_checksum: str = ""
+
+    @property
+    def index_name(self) -> str:
+        """The file's index (format 3)."""
+        return index_name(self.name)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "bytes": self.nbytes, "rank": self.rank,
@@ -143,12 +224,136 @@ class Manifest:
     created: float = field(default_factory=time.time)
     writer: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
-    version: tuple[int, int] = FORMAT_VERSION
+    version: tuple[int, int] = TABLE_VERSION
+    meshes: list[Mesh] = field(default_factory=list)  # format 3: the meshes rules refer to
+    file_id: str = ""  # format 3: the save id in the data file names ("" or "." + hex)
+
+    def __post_init__(self) -> None:
+        self._indexes: dict[int, FileIndex] = {}
+        self._lock = threading.Lock()
+        self.index_source: Callable[[list[tuple[str, int]]], list[bytes]] | None = None
+        self.file_of_rank: dict[int, int] = {f.rank: i for i, f in enumerate(self.files)}
+        self._keys = list(self.tensors)
+        self._local_keys: dict[tuple[int, int], str] = {}  # (file, ordinal) -> rank-local tensor key
+        if self.version[0] >= 3:
+            for i, entry in enumerate(self.tensors.values()):
+                entry._owner, entry._ord = self, i
+            if not isinstance(self.rank_local, RankLocalValues):
+                self.rank_local = RankLocalValues(self, sorted(self.rank_local))
+
+    @property
+    def indexed(self) -> bool:
+        """True for format 3: byte ranges and checksums live in per-file indexes."""
+        return self.version[0] >= 3
+
+    def own_tensors(self) -> dict[str, TensorEntry]:
+        """The manifest's tensors (format 3: without the rank-local tensors that file
+        indexes added)."""
+        return {k: self.tensors[k] for k in self._keys}
+
+    def with_file_id(self, file_id: str) -> Manifest:
+        """A format-3 manifest like this one whose files carry the save id ``file_id``
+        (``shardsafe copy``: the data files and indexes are copied byte for byte)."""
+        tensors = {}
+        for key, e in self.own_tensors().items():
+            tensors[key] = TensorEntry.by_rule(e.dtype, e.shape, e.kind, e.rule) if e.rule is not None else \
+                TensorEntry.by_boxes(e.dtype, e.shape, e.kind, e.boxes(), e.layout)
+        files = [FileEntry(data_name(f.rank, file_id), f.nbytes, f.rank, f.header_bytes, f.header_checksum,
+                           f.index_bytes, f.index_checksum) for f in self.files]
+        return Manifest(self.tree, tensors, files, self.world_size, list(self.rank_local), self.created, self.writer,
+                        self.extra, self.version, self.meshes, file_id)
+
+    def key_of(self, ordinal: int) -> str:
+        """The key of manifest tensor ``ordinal``."""
+        return self._keys[ordinal]
+
+    # ------------------------------------------------------------------ file indexes (format 3)
+
+    def load_indexes(self, files: Iterable[int]) -> None:
+        """Read, verify and parse the indexes of the given files (those not read yet), all
+        at once through ``index_source``; a no-op before format 3."""
+        if not self.indexed:
+            return
+        missing = sorted({f for f in files if f not in self._indexes})
+        if not missing:
+            return
+        with self._lock:
+            missing = [f for f in missing if f not in self._indexes]
+            if not missing:
+                return
+            if self.index_source is None:
+                raise CorruptCheckpointError("this manifest was read without its checkpoint: its file indexes "
+                                             "cannot be read")
+            datas = self.index_source([(self.files[f].index_name, self.files[f].index_bytes) for f in missing])
+            meta = self._tensor_meta()
+            block = self.extra["checksum_block"]
+            for f, data in zip(missing, datas):
+                entry = self.files[f]
+                verify_index(data, entry.index_bytes, entry.index_checksum, entry.index_name)
+                index = FileIndex.parse(data, entry.index_name, file=f, rank=entry.rank, nbytes=entry.nbytes,
+                                        block=block, tensors=meta)
+                entry.header_bytes, entry.header_checksum = index.header_bytes, index.header_checksum
+                index.raw = data
+                self._add_local_tensors(index)
+                self._indexes[f] = index
+
+    def load_all_indexes(self) -> None:
+        """Read every file index (tools that look at the whole checkpoint)."""
+        self.load_indexes(range(len(self.files)))
+
+    def index(self, file: int) -> FileIndex:
+        """The parsed index of data file ``file`` (read on first use)."""
+        found = self._indexes.get(file)
+        if found is None:
+            self.load_indexes([file])
+            found = self._indexes[file]
+        return found
+
+    def _tensor_meta(self) -> list[tuple[tuple[int, ...], int]]:
+        from .dtypes import name_itemsize
+
+        return [(e.shape, name_itemsize(e.dtype) or 0) for e in list(self.tensors.values())[: len(self._keys)]]
+
+    def _add_local_tensors(self, index: FileIndex) -> None:
+        """The rank-local tensors an index lists become entries of ``tensors``."""
+        base = len(self._keys)
+        for i, (key, (dtype, shape)) in enumerate(index.local_tensors.items()):
+            if key in self.tensors:
+                raise CorruptCheckpointError(f"{self.files[index.file].index_name}: rank-local tensor '{key}' is "
+                                             "listed twice")
+            rows = index.rows_of(base + i)
+            chunks = [self._chunk(index, r) for r in rows]
+            self.tensors[key] = TensorEntry(dtype, shape, "rank_local", chunks)
+            self._local_keys[(index.file, base + i)] = key
+
+    def _chunk(self, index: FileIndex, row: int) -> Chunk:
+        c = index.chunk(row)
+        return Chunk(c.offsets, c.lengths, index.file, c.start, c.end, c.checksum, index.rank)
+
+    def resolve(self, ordinal: int, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> list[Chunk]:
+        """The chunks of manifest tensor ``ordinal`` at the given (offsets, lengths, file),
+        with byte ranges and checksums from the files' indexes."""
+        self.load_indexes({f for _, _, f in boxes})
+        out = []
+        for offsets, lengths, f in boxes:
+            index = self._indexes[f]
+            row = index.row(ordinal, offsets)
+            chunk = None if row is None else self._chunk(index, row)
+            if chunk is None or chunk.lengths != tuple(lengths):
+                raise CorruptCheckpointError(
+                    f"tensor '{self.key_of(ordinal)}': the chunk at {list(offsets)}+{list(lengths)} is not in the "
+                    f"index of {self.files[f].name} (the index or the manifest is corrupt)")
+            out.append(chunk)
+        return out
 
     def chunks_in_file(self, index: int) -> list[tuple[str, Chunk]]:
         """(tensor key, chunk) of every chunk stored in file ``index``. For a parsed
         manifest the chunk table is searched with one vectorized test and only those
-        chunks are built."""
+        chunks are built; for format 3, the file's index lists them."""
+        if self.indexed:
+            fi = self.index(index)
+            return [(self._keys[t] if t < len(self._keys) else self._local_keys[(index, t)], self._chunk(fi, r))
+                    for r, t in enumerate(fi.ordinals)]
         tables = {id(e._table): e._table for e in self.tensors.values() if e._chunks is None and e._table is not None}
         if len(tables) == 1 and all(e._chunks is None for e in self.tensors.values()):
             table = next(iter(tables.values()))
@@ -166,6 +371,8 @@ class Manifest:
             return self._to_bytes()
 
     def _to_bytes(self) -> bytes:
+        if self.indexed:
+            return _seal(self._body_v3())
         entries: dict[str, Any] = {}
         every: list[Chunk] = []
         for key, t in self.tensors.items():
@@ -179,7 +386,7 @@ class Manifest:
         body = {
             "format": FORMAT_NAME,
             # The layout written is always the current one; a parsed older manifest is upgraded.
-            "version": list(self.version if self.version[0] >= FORMAT_VERSION[0] else FORMAT_VERSION),
+            "version": list(self.version if self.version[0] >= TABLE_VERSION[0] else TABLE_VERSION),
             "checksum_algorithm": ALGORITHM,
             "created": self.created,
             "writer": self.writer,
@@ -191,9 +398,51 @@ class Manifest:
             "rank_local": self.rank_local,
             "tree": self.tree,
         }
-        text = json.dumps(body, separators=(",", ":"), allow_nan=False).encode("utf-8")
-        head = text[:-1]  # drop the closing brace; the trailer closes the object
-        return head + _TRAILER + checksum(head).encode("ascii") + b'"}\n'
+        return _seal(body)
+
+    def _body_v3(self) -> dict[str, Any]:
+        """The format-3 manifest: rules, explicit boxes, files as columns (docs/format.md)."""
+        mesh_index = {m: i for i, m in enumerate(self.meshes)}
+        keys = list(self.tensors)[: len(self._keys)]  # rank-local tensors live in the file indexes
+        entries: dict[str, Any] = {}
+        o: list[int] = []
+        n: list[int] = []
+        f: list[int] = []
+        rows = 0
+        for key in keys:
+            t = self.tensors[key]
+            d: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape), "kind": t.kind}
+            if t.rule is not None:
+                d["rule"] = t.rule.to_json(mesh_index[t.rule.mesh])
+            else:
+                if t.layout is not None:
+                    d["layout"] = t.layout
+                boxes = t.boxes()
+                d["chunks"] = [rows, len(boxes)]
+                rows += len(boxes)
+                for bo, bn, bf in boxes:
+                    o.extend(bo)
+                    n.extend(bn)
+                    f.append(bf)
+            entries[key] = d
+        files = self.files
+        return {
+            "format": FORMAT_NAME,
+            "version": list(self.version),
+            "checksum_algorithm": ALGORITHM,
+            "created": self.created,
+            "writer": self.writer,
+            "world_size": self.world_size,
+            "extra": self.extra,
+            "meshes": [m.to_json() for m in self.meshes],
+            "files": {"id": self.file_id, "rank": [e.rank for e in files], "bytes": [e.nbytes for e in files],
+                      "index_bytes": [e.index_bytes for e in files],
+                      "index_x": "".join(e.index_checksum for e in files)},
+            "tensors": entries,
+            "chunks": {"o": o, "n": n, "f": f},
+            "rank_local": sorted(self.rank_local),
+            "tree": self.tree,
+        }
 
     @staticmethod
     def from_bytes(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
@@ -224,6 +473,8 @@ class Manifest:
         if body.get("checksum_algorithm") != ALGORITHM:
             raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {body.get('checksum_algorithm')!r}")
         try:
+            if version[0] >= 3:
+                return _parse_v3(body, spans, head, (version[0], version[1]), where)
             if not isinstance(body["files"], list):
                 raise CorruptCheckpointError("inconsistent manifest: files is not a list")
             files = [FileEntry.from_json(f) for f in body["files"]]  # so every file is an object
@@ -270,6 +521,13 @@ class Manifest:
             msg = f"manifest is not valid JSON: {duplicate}" if duplicate else \
                 f"a manifest field is missing or mistyped: {exc!r}"
             raise CorruptCheckpointError(f"{where}: {msg}") from None
+
+
+def _seal(body: dict[str, Any]) -> bytes:
+    """The manifest's bytes: compact JSON whose last member is the integrity trailer."""
+    text = json.dumps(body, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    head = text[:-1]  # drop the closing brace; the trailer closes the object
+    return head + _TRAILER + checksum(head).encode("ascii") + b'"}\n'
 
 
 # strict JSON parsing lives in strict_json.py
@@ -393,6 +651,195 @@ def _parse_tensors(tensors_json: Any, chunks_json: Any, files: list[FileEntry], 
     in_table = TensorEntry.in_table
     return {key: in_table(*head, table, lo, hi) for key, head, lo, hi in zip(keys, heads, firsts, firsts[1:])}, \
         members
+
+
+# ----------------------------------------------------------------------------- format 3
+
+_FILE_ID = re.compile(r"(\.[0-9a-z]{1,64})?")
+
+
+def _parse_v3(body: dict[str, Any], spans: Any, head: bytes, version: tuple[int, int], where: str) -> Manifest:
+    """A format-3 manifest (docs/format.md): validated before anything is sized by it."""
+    world_size, extra, writer = body["world_size"], body.get("extra", {}), body.get("writer", {})
+    problem = _header_problem(world_size, extra, writer, {}, [])
+    if problem:
+        raise CorruptCheckpointError(f"inconsistent manifest: {problem}")
+    created = body.get("created", 0.0)
+    if not (type(created) in (int, float) and 0 <= created < MAX_CREATED):
+        raise CorruptCheckpointError(f"inconsistent manifest: created {_show(created)} is not a finite number of "
+                                     "seconds in [0, 2^35)")
+    meshes_json = body["meshes"]
+    if type(meshes_json) is not list:
+        raise CorruptCheckpointError("inconsistent manifest: meshes is not a list")
+    meshes = []
+    for i, m in enumerate(meshes_json):
+        try:
+            meshes.append(Mesh.from_json(m, world_size))
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"inconsistent manifest: mesh {i}: {exc}") from None
+    files, file_id = _files_v3(body["files"], world_size)
+    rank_local = body["rank_local"]
+    if not (type(rank_local) is list and all(type(k) is str for k in rank_local)
+            and len(set(rank_local)) == len(rank_local)):
+        raise CorruptCheckpointError("inconsistent manifest: rank_local is not a list of distinct keys")
+    tensors_json = body["tensors"]
+    tensors = _tensors_v3(tensors_json, body["chunks"], meshes, len(files))
+    if _object_members(tensors_json) != spans.counted.get("tensors"):
+        duplicate = _duplicate(head, spans)
+        if duplicate:
+            raise CorruptCheckpointError(f"manifest is not valid JSON: {duplicate}")
+    return Manifest(tree=body["tree"], tensors=tensors, files=files, world_size=world_size, rank_local=rank_local,
+                    created=created, writer=writer, extra=extra, version=version, meshes=meshes, file_id=file_id)
+
+
+def _files_v3(d: Any, world: int) -> tuple[list[FileEntry], str]:
+    """The files table: one data file (and its index) per listed saving rank."""
+    if type(d) is not dict:
+        raise CorruptCheckpointError("inconsistent manifest: files is not an object")
+    file_id = d.get("id")
+    if not (type(file_id) is str and _FILE_ID.fullmatch(file_id)):
+        raise CorruptCheckpointError(f"inconsistent manifest: files id {_show(file_id)} is not \"\" or \".\" and up "
+                                     "to 64 lowercase letters and digits")
+    ranks, sizes, isizes, sums = d.get("rank"), d.get("bytes"), d.get("index_bytes"), d.get("index_x")
+    count = len(ranks) if type(ranks) is list else -1
+    for name, col in (("rank", ranks), ("bytes", sizes), ("index_bytes", isizes)):
+        if not (type(col) is list and len(col) == count and all(type(v) is int and 0 <= v < _LIMIT for v in col)):
+            raise CorruptCheckpointError(f"inconsistent manifest: files '{name}' is not a list of {max(count, 0)} "
+                                         "sizes")
+    if any(a >= b for a, b in zip(ranks, ranks[1:])) or (ranks and ranks[-1] >= world):
+        raise CorruptCheckpointError(f"inconsistent manifest: file ranks are not increasing ranks below {world}")
+    if any(n < 8 for n in sizes):
+        raise CorruptCheckpointError("inconsistent manifest: a data file of fewer than 8 bytes")
+    if not (type(sums) is str and len(sums) == HEX * count and _hex_lower(sums)):
+        raise CorruptCheckpointError("inconsistent manifest: files 'index_x' is not one 16-hex digest per file")
+    files = [FileEntry(data_name(r, file_id), n, r, 0, "", i, sums[HEX * k: HEX * (k + 1)])
+             for k, (r, n, i) in enumerate(zip(ranks, sizes, isizes))]
+    return files, file_id
+
+
+def _hex_lower(s: str) -> bool:
+    try:
+        return 2 * len(bytes.fromhex(s)) == len(s) and s == s.lower()
+    except ValueError:
+        return False
+
+
+def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles: int) -> dict[str, TensorEntry]:
+    """Tensor entries: by rule, or by explicit boxes (rows of the geometry table)."""
+    from .dtypes import name_itemsize
+
+    if type(tensors_json) is not dict:
+        raise CorruptCheckpointError("inconsistent manifest: tensors is not an object")
+    if type(chunks_json) is not dict:
+        raise CorruptCheckpointError("inconsistent manifest: chunks is not an object")
+    o, n, f = chunks_json.get("o"), chunks_json.get("n"), chunks_json.get("f")
+    if not (type(o) is list and type(n) is list and type(f) is list and len(o) == len(n)
+            and all(type(v) is int for col in (o, n, f) for v in col)):
+        raise CorruptCheckpointError("inconsistent manifest: chunks 'o', 'n', 'f' are not lists of integers")
+    out: dict[str, TensorEntry] = {}
+    row = dim = 0
+    for key, t in tensors_json.items():
+        if type(t) is not dict:
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}' is not an object")
+        dtype, shape, kind = t["dtype"], t["shape"], t.get("kind", "replicated")
+        _head_itemsize(key, dtype, shape, name_itemsize)
+        shape_t = tuple(shape)
+        if kind not in ("replicated", "sharded"):
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': kind {_show(kind)} (rank-local "
+                                         "tensors are listed in the file indexes)")
+        rule = t.get("rule")
+        if rule is not None:
+            if not (type(rule) is dict and set(rule) == {"mesh", "placements", "salt"}):
+                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': rule is not mesh, placements "
+                                             "and salt")
+            m, placements, salt = rule["mesh"], rule["placements"], rule["salt"]
+            if not (type(m) is int and 0 <= m < len(meshes) and type(placements) is list and _count(salt)
+                    and salt < _LIMIT):
+                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad rule mesh or salt")
+            if not shape_t or 0 in shape_t:
+                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': a rule needs a shape of "
+                                             "non-zero dims")
+            try:
+                out[key] = TensorEntry.by_rule(dtype, shape_t, kind, Rule(
+                    shape_t, meshes[m], tuple(parse_placement(p, len(shape_t)) for p in placements), salt))
+            except CorruptCheckpointError as exc:
+                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': {exc}") from None
+            continue
+        layout, span = t.get("layout"), t.get("chunks")
+        if not (layout is None or type(layout) is dict):
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad layout")
+        if not (type(span) is list and len(span) == 2 and span[0] == row and type(span[1]) is int
+                and 1 <= span[1] <= len(f) - row):
+            raise CorruptCheckpointError(
+                f"inconsistent manifest: tensor '{key}': chunk range {_show(span)} is not [first, count] with first "
+                f"{row} (where the previous tensor's chunks end), count >= 1, inside the table")
+        nd = len(shape_t)
+        boxes = []
+        for r in range(row, row + span[1]):
+            bo, bn = tuple(o[dim: dim + nd]), tuple(n[dim: dim + nd])
+            dim += nd
+            if len(bn) != nd or not all(0 <= a and 0 <= b and a + b <= s for a, b, s in zip(bo, bn, shape_t)):
+                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}', chunk {r - row}: box "
+                                             f"{list(bo)}+{list(bn)} is not inside shape {list(shape_t)}")
+            if not 0 <= f[r] < nfiles:
+                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}', chunk {r - row}: file index "
+                                             f"{f[r]} is out of range")
+            boxes.append((bo, bn, f[r]))
+        row += span[1]
+        out[key] = TensorEntry.by_boxes(dtype, shape_t, kind, boxes, layout)
+    if row != len(f) or dim != len(o):
+        raise CorruptCheckpointError(f"inconsistent manifest: the tensors claim {row} chunks, the chunk table has "
+                                     f"{len(f)}")
+    return out
+
+
+class RankLocalValues(Mapping):
+    """Format 3: rank-local values by key; each saving rank's value is read from its
+    file's index when first asked for (``manifest.rank_local[key][rank]``, None where
+    that rank wrote no file)."""
+
+    def __init__(self, manifest: Manifest, keys: list[str]) -> None:
+        self._manifest = manifest
+        self._keys = list(keys)
+        self._set = set(keys)
+
+    def __getitem__(self, key: str) -> _PerRank:
+        if key not in self._set:
+            raise KeyError(key)
+        return _PerRank(self._manifest, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class _PerRank:
+    """One rank-local key's values, by saving rank (a read-only sequence)."""
+
+    def __init__(self, manifest: Manifest, key: str) -> None:
+        self._manifest = manifest
+        self._key = key
+
+    def __len__(self) -> int:
+        return self._manifest.world_size
+
+    def __getitem__(self, rank: int) -> Any:
+        if not 0 <= rank < len(self):
+            raise IndexError(rank)
+        f = self._manifest.file_of_rank.get(rank)
+        return None if f is None else self._manifest.index(f).rank_local.get(self._key)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[r] for r in range(len(self)))
+
+
+def rule_layout(rule: Rule) -> dict[str, Any]:
+    """A readable description of a rule's mesh and placements (tools)."""
+    names = {"R": lambda p: "R", "S": lambda p: f"S({p[1]})", "SS": lambda p: f"_S({p[1]}, {p[2]})"}
+    return {"mesh_shape": list(rule.mesh.shape), "mesh_dim_names": None if rule.mesh.names is None else
+            list(rule.mesh.names), "placements": [names[p[0]](p) for p in rule.placements]}
 
 
 def _head_itemsize(key: str, dtype: Any, shape: Any, name_itemsize: Callable[[str], int | None]) -> int:

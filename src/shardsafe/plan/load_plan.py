@@ -99,6 +99,10 @@ def plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int = DEFAULT_
     """Read ops covering every destination exactly; a hole or an overlap in the saved
     chunks is a CorruptCheckpointError naming the tensor."""
     ops: list[ReadOp] = []
+    if manifest.indexed:  # format 3: read the indexes of every file the boxes meet, at once
+        manifest.load_indexes({f for dest in dests if not dest.box.is_empty() and dest.key in manifest.tensors
+                               for _, _, f in manifest.tensors[dest.key].boxes_meeting(dest.box.offsets,
+                                                                                     dest.box.lengths)})
     for index, dest in enumerate(dests):
         entry = manifest.tensors[dest.key]
         dtype = torch_dtype(entry.dtype)

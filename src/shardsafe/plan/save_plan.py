@@ -7,10 +7,15 @@ rank computes the same plan without further messages. Rules:
 - a box held by one rank only is written by that rank;
 - a box held by several ranks (replicated tensors, DTensor replicas) goes to the holder
   with the least bytes so far (counting the single-holder boxes), largest boxes first
-  (ties: lowest rank);
+  (ties: lowest rank); one under 64 KiB goes to its lowest holder;
 - a replicated tensor larger than 1/8 of the mean bytes per rank is first split into row
   ranges, so that no rank carries much more than its share;
-- a rank with nothing to write writes no file.
+- a rank with nothing to write writes no file;
+- a DTensor whose layout is a rule (format 3: Shard, _StridedShard and Replicate
+  placements on a mesh of the saving ranks) is not planned box by box: each rank writes
+  the boxes it holds that the rule gives to it (one replica of each, rotated by a
+  per-tensor salt), so planning grows with tensors, not chunks;
+- rank-local tensors are written by their rank and never planned.
 """
 
 from __future__ import annotations
@@ -23,11 +28,19 @@ from math import ceil, prod
 from typing import NamedTuple
 
 from ..errors import CheckpointError
+from ..format.rules import Mesh, Rule, parse_placement
 from ..gcpause import gc_paused
 from ..layout import Box, boxes_disjoint, split_rows
 
+MeshKey = tuple  # (shape, ranks, dim names or None): a mesh as plain, hashable data
+RuleKey = tuple  # (MeshKey, placements as tuples)
+
 SPLIT_FRACTION = 8  # replicated tensors above mean/SPLIT_FRACTION bytes are split into rows
 MIN_SPLIT_BYTES = 1 << 20
+SMALL_BYTES = 64 << 10
+"""Replicated boxes smaller than this (step counters, biases) are written by their lowest
+holder instead of being spread for balance: a loading rank then finds them in one or two
+files' indexes instead of one file per value (format 3 reads only the indexes it needs)."""
 
 
 @dataclass
@@ -39,19 +52,48 @@ class TensorLayout:
     shape: tuple[int, ...]
     itemsize: int
     kind: str  # replicated | sharded | rank_local
-    boxes: list[Box]
+    boxes: list[Box]  # this rank's boxes (of a rule tensor: not sent to other ranks)
+    rule: RuleKey | None = None  # the layout as a rule, when it is one
+    layout: dict | None = None  # a DTensor's mesh and placements, for reading (explicit layouts)
 
     def to_wire_key(self) -> tuple:
-        return (self.key, self.dtype, self.shape, self.kind, tuple((b.offsets, b.lengths) for b in self.boxes))
+        boxes = () if self.rule is not None else tuple((b.offsets, b.lengths) for b in self.boxes)
+        return (self.key, self.dtype, self.shape, self.kind, boxes, self.rule)
 
-    def to_wire(self) -> tuple:
-        return (self.key, self.dtype, self.shape, self.itemsize, self.kind,
-                [(b.offsets, b.lengths) for b in self.boxes])
+    def to_wire(self, meshes: dict[MeshKey, int]) -> list:
+        """Plain JSON-able data; a rule's mesh is an index into the rank's mesh list."""
+        rule = None if self.rule is None else [meshes.setdefault(self.rule[0], len(meshes)),
+                                               [list(p) for p in self.rule[1]]]
+        boxes = None if self.rule is not None else [[list(b.offsets), list(b.lengths)] for b in self.boxes]
+        return [self.key, self.dtype, list(self.shape), self.itemsize, self.kind, boxes, rule, self.layout]
 
     @staticmethod
-    def from_wire(w: tuple) -> TensorLayout:
-        key, dtype, shape, itemsize, kind, boxes = w
-        return TensorLayout(key, dtype, tuple(shape), itemsize, kind, [Box(tuple(o), tuple(n)) for o, n in boxes])
+    def from_wire(w: list, meshes: list[MeshKey]) -> TensorLayout:
+        key, dtype, shape, itemsize, kind, boxes, rule, layout = w
+        rule_key = None if rule is None else (meshes[rule[0]], tuple(tuple(p) for p in rule[1]))
+        return TensorLayout(key, dtype, tuple(shape), itemsize, kind,
+                            [] if boxes is None else [Box(tuple(o), tuple(n)) for o, n in boxes], rule_key, layout)
+
+
+def wire_of(layouts: list[TensorLayout]) -> bytes:
+    """A rank's layouts as JSON bytes (what ranks exchange to plan; no pickle)."""
+    meshes: dict[MeshKey, int] = {}
+    tensors = [tl.to_wire(meshes) for tl in layouts]
+    return json.dumps({"meshes": [[list(m[0]), list(m[1]), None if m[2] is None else list(m[2])] for m in meshes],
+                       "tensors": tensors}, separators=(",", ":")).encode()
+
+
+def layouts_of_wire(data: bytes) -> list[TensorLayout]:
+    """The inverse of :func:`wire_of`."""
+    body = json.loads(data)
+    meshes = [(tuple(s), tuple(r), None if n is None else tuple(n)) for s, r, n in body["meshes"]]
+    return [TensorLayout.from_wire(w, meshes) for w in body["tensors"]]
+
+
+def rule_of(key: RuleKey, shape: tuple[int, ...], salt: int = 0) -> Rule:
+    """The format's Rule for a planned rule key."""
+    mesh_key, placements = key
+    return Rule(shape, Mesh(*mesh_key), tuple(parse_placement(list(p), len(shape)) for p in placements), salt)
 
 
 class Assignment(NamedTuple):
@@ -67,9 +109,29 @@ class GlobalPlan:
     """Per-rank assignments and the tensor table for the manifest."""
 
     world: int
-    tensors: dict[str, tuple[str, tuple[int, ...], str]]  # key -> (dtype, shape, kind)
-    by_rank: list[list[Assignment]] = field(default_factory=list)
-    bytes_by_rank: list[int] = field(default_factory=list)
+    tensors: dict[str, tuple[str, tuple[int, ...], str]]  # key -> (dtype, shape, kind), sorted by key
+    by_rank: list[list[Assignment]] = field(default_factory=list)  # explicit boxes only
+    bytes_by_rank: list[int] = field(default_factory=list)  # of explicit boxes
+    rules: dict[str, Rule] = field(default_factory=dict)  # tensors whose chunks follow from a rule
+    layouts: dict[str, dict] = field(default_factory=dict)  # DTensors without a rule: mesh and placements
+
+    def ordinal(self) -> dict[str, int]:
+        """Each tensor's place in the manifest (sorted keys)."""
+        return {k: i for i, k in enumerate(self.tensors)}
+
+    def assignments(self, rank: int, layouts: list[TensorLayout], local: list[TensorLayout]) -> list[Assignment]:
+        """What ``rank`` writes, in file order: its explicit boxes, the boxes it holds of rule
+        tensors that the rule gives to it, then its rank-local tensors."""
+        order = self.ordinal()
+        out = list(self.by_rank[rank])
+        for tl in layouts:
+            rule = self.rules.get(tl.key)
+            if rule is not None:
+                whole = Box.whole(tl.shape)
+                out.extend(Assignment(tl.key, b, b == whole) for b in tl.boxes if rule.writes(rank, b.offsets))
+        out.sort(key=lambda a: (order[a.key], a.box.offsets))
+        out.extend(Assignment(tl.key, b, True) for tl in sorted(local, key=lambda t: t.key) for b in tl.boxes)
+        return out
 
 
 @dataclass(frozen=True)
@@ -151,6 +213,9 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
     holders: dict[tuple[str, Box], list[int]] = {}
     boxes_of: dict[str, list[Box]] = {}  # each tensor's distinct boxes
     first_rank: dict[str, int] = {}
+    rules: dict[str, list[RuleKey]] = {}  # several: the same layout on disjoint meshes (replicas)
+    rule_groups: dict[str, list[int]] = {}  # rule tensor -> leaders of the groups that hold it
+    dlayouts: dict[str, dict] = {}
     for leader, ranks in groups.items():
         for tl in layouts[leader]:
             meta = (tl.dtype, tl.shape, tl.kind)
@@ -164,6 +229,17 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
                     f"tensor '{tl.key}': rank {first_rank[tl.key]} has {_describe(known)}, "
                     f"rank {leader} has {_describe(meta)}"
                 )
+            if tl.layout is not None:
+                dlayouts.setdefault(tl.key, tl.layout)
+            if tl.rule is not None:
+                seen = rules.setdefault(tl.key, [])
+                if tl.rule not in seen:
+                    if seen and (seen[0][0][0], seen[0][1]) != (tl.rule[0][0], tl.rule[1]):
+                        raise CheckpointError(f"tensor '{tl.key}': ranks {first_rank[tl.key]} and {leader} hold it "
+                                              "on meshes of different shapes or with different placements")
+                    seen.append(tl.rule)
+                rule_groups.setdefault(tl.key, []).append(leader)
+                continue
             for box in tl.boxes:
                 h = holders.get((tl.key, box))
                 if h is None:
@@ -174,8 +250,28 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
                         continue
                     holders[(tl.key, box)] = sorted(set(h) | set(ranks))
 
+    mixed = sorted(set(rules) & set(boxes_of))
+    if mixed:
+        raise CheckpointError(f"tensor '{mixed[0]}': some ranks hold it as a DTensor of a mesh, others not")
+    merged: dict[str, RuleKey] = {}
+    for key, keys in rules.items():
+        merged[key] = keys[0] if len(keys) == 1 else _replicas_rule(key, keys)
+    # A rule's mesh ranks must all hold the tensor (else its chunks would be missing).
+    checked: set[tuple] = set()
+    for key, rule_key in merged.items():
+        leaders = tuple(rule_groups[key])
+        if (leaders, rule_key[0]) in checked:
+            continue
+        held = set().union(*(groups[leader] for leader in leaders))
+        missing = [r for r in rule_key[0][1] if r not in held]
+        if missing:
+            raise CheckpointError(f"tensor '{key}': ranks {missing[:8]} of its device mesh did not save it")
+        checked.add((leaders, rule_key[0]))
+
     # Coverage: the distinct boxes of each tensor must tile it: no overlap, no hole.
     for key, (_, shape, _) in tensors.items():
+        if key in rules:
+            continue
         need = prod(shape)
         boxes = boxes_of.get(key, [])
         covered = sum(b.numel for b in boxes)
@@ -187,7 +283,8 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
                 "Partial placements must be reduced before saving"
             )
 
-    total = sum(box.numel * itemsizes[key] for key, box in holders)
+    total = sum(box.numel * itemsizes[key] for key, box in holders) + \
+        sum(prod(tensors[key][1]) * itemsizes[key] for key in rules)
     target = max(MIN_SPLIT_BYTES, total // max(world, 1) // SPLIT_FRACTION)
     work: list[tuple[int, str, Box, bool, list[int]]] = []
     for (key, box), ranks in holders.items():
@@ -215,7 +312,10 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
     heap = [(load[r], r) for r in range(world)]  # (load, rank); stale once a rank's load changes
     heapq.heapify(heap)
     for nbytes, key, box, whole, ranks in choice:
-        if len(ranks) == world:
+        if nbytes < SMALL_BYTES:
+            r = ranks[0]  # holders are sorted: the lowest one, so loads find small values in few files
+            load[r] += nbytes
+        elif len(ranks) == world:
             while True:
                 lo, r = heapq.heappop(heap)
                 if lo == load[r]:
@@ -232,7 +332,29 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
     order = {k: i for i, k in enumerate(sorted(tensors))}
     for items in by_rank:
         items.sort(key=lambda a: (order[a.key], a.box.offsets))
-    return GlobalPlan(world, tensors, by_rank, load)
+    # Rules, in key order; replicated boxes rotate over the replicas from tensor to tensor.
+    planned: dict[str, Rule] = {}
+    rotation = 0
+    for key in sorted(rules):
+        rule = rule_of(merged[key], tensors[key][1])
+        if rule.replicas > 1:
+            rule = rule_of(merged[key], tensors[key][1], rotation % rule.replicas)
+            rotation += rule.count()
+        planned[key] = rule
+    return GlobalPlan(world, {k: tensors[k] for k in sorted(tensors)}, by_rank, load, planned,
+                      {k: v for k, v in dlayouts.items() if k not in rules})
+
+
+def _replicas_rule(key: str, keys: list[RuleKey]) -> RuleKey:
+    """One rule for a tensor held with the same layout on several disjoint meshes (each a
+    replica, e.g. one FSDP mesh per replica group): a mesh with a leading replica dim."""
+    keys = sorted(keys, key=lambda k: min(k[0][1]))
+    ranks = [r for k in keys for r in k[0][1]]
+    if len(set(ranks)) != len(ranks):
+        raise CheckpointError(f"tensor '{key}': ranks hold it on overlapping meshes")
+    (shape, _, names), placements = keys[0]
+    return ((len(keys), *shape), tuple(ranks), None if names is None else ("replica", *names)), \
+        (("R",), *placements)
 
 
 def _disjoint(boxes: list[Box]) -> bool:

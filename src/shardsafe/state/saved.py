@@ -103,6 +103,9 @@ def check_tree(manifest: Any) -> None:
             raise CorruptCheckpointError(f"manifest: the value tree refers to {what} {key!r}, which it does not hold")
 
     decode(manifest.tree, on_ref)
+    if getattr(manifest, "indexed", False):  # format 3: each rank's values are checked as its index is read
+        manifest._tree_checked = True
+        return
     for key, per_rank in manifest.rank_local.items():
         if not isinstance(per_rank, list):
             raise CorruptCheckpointError(f"manifest: rank-local value {key!r} is not a list of per-rank values")

@@ -20,6 +20,7 @@ from ..checkpoint_folder import begin_save
 from ..checkpointer import Checkpointer
 from ..errors import CorruptCheckpointError
 from ..format.checksum import checksum
+from ..format.file_index import index_name
 from ..format.manifest import FileEntry, Manifest
 from ..loading import block_size
 from ..plan.load_plan import BlockCheck, chunk_checks
@@ -79,9 +80,14 @@ def copy_checkpoint(src: PathLike, dst: PathLike, *, overwrite: bool = False, wi
                 for index, entry in enumerate(manifest.files):
                     name = data_file_name(entry.rank, len([f for f in files if f.rank == entry.rank]), target.suffix)
                     total += _copy_file(reader, index, target.staging, name, block, window)
+                    if manifest.indexed:  # the index, verified against the manifest when read, byte for byte
+                        target.staging.write_bytes(index_name(name), manifest.index(index).raw)
                     files.append(FileEntry(name, entry.nbytes, entry.rank, entry.header_bytes, entry.header_checksum))
-                out = Manifest(manifest.tree, manifest.tensors, files, manifest.world_size, manifest.rank_local,
-                               manifest.created, manifest.writer, manifest.extra)
+                if manifest.indexed:
+                    out = manifest.with_file_id(target.suffix)
+                else:
+                    out = Manifest(manifest.tree, manifest.tensors, files, manifest.world_size, manifest.rank_local,
+                                   manifest.created, manifest.writer, manifest.extra)
                 target.commit(out.to_bytes(), overwrite)
             except BaseException:
                 target.abort()

@@ -104,8 +104,9 @@ def _row(leaf: Leaf, manifest: Manifest) -> Row:
         entry = manifest.tensors.get(leaf.key)
         if entry is None:
             return Row("missing", leaf.parts, leaf.key, value="tensor not described in the manifest")
+        ranks = sorted({manifest.files[f].rank for _, _, f in entry.boxes()})  # no file index needed
         return Row(entry.kind, leaf.parts, leaf.key, entry.dtype, list(entry.shape), tensor_bytes(entry),
-                   len(entry.chunks), sorted({c.rank for c in entry.chunks}))
+                   entry.chunk_count, ranks)
     if leaf.kind == "rank_local":
         per_rank = manifest.rank_local.get(leaf.node["$rank_local"]) or []
         n = sum(1 for v in per_rank if v is not None)

@@ -82,6 +82,14 @@ def check_step(folder: Folder) -> tuple[Manifest | None, str | None]:
         size = folder.size(entry.name)
         if size != entry.nbytes:
             return manifest, f"data file {entry.name} has {size} bytes, the manifest says {entry.nbytes}"
+        if manifest.indexed:  # format 3: each data file has an index of the recorded size
+            kind = folder.kind(entry.index_name)
+            if kind != "file":
+                return manifest, f"file index {entry.index_name} is {'missing' if kind is None else 'not a file'}"
+            size = folder.size(entry.index_name)
+            if size != entry.index_bytes:
+                return manifest, (f"file index {entry.index_name} has {size} bytes, the manifest says "
+                                  f"{entry.index_bytes}")
     return manifest, None
 
 

@@ -85,9 +85,43 @@ class VerifyReport:
         return "\n".join([*lines, f"{summary}: {len(self.problems)} problem(s)"])
 
 
-def _geometry(manifest: Manifest, block: int) -> list[Problem]:
+def _indexes(manifest: Manifest) -> tuple[set[int], list[Problem]]:
+    """Format 3: read and check every file's index; the files whose index is unusable."""
+    bad: set[int] = set()
+    problems: list[Problem] = []
+    if not manifest.indexed:
+        return bad, problems
+    for i, entry in enumerate(manifest.files):
+        try:
+            manifest.load_indexes([i])
+        except CorruptCheckpointError as exc:
+            bad.add(i)
+            problems.append(Problem(f"file index: {exc}", entry.index_name))
+    return bad, problems
+
+
+def _chunks(manifest: Manifest, entry: Any, bad: set[int], problems: list[Problem] | None = None,
+            key: str = "") -> list[Chunk]:
+    """An entry's chunks, skipping those in files whose index is unusable (format 3: the
+    boxes the manifest gives, resolved one by one, a box missing from its index reported)."""
+    if not manifest.indexed or entry.kind == "rank_local":
+        return entry.chunks
+    out = []
+    for box in entry.boxes():
+        if box[2] in bad:
+            continue
+        try:
+            out.extend(manifest.resolve(entry._ord, [box]))
+        except CorruptCheckpointError as exc:
+            if problems is not None:
+                problems.append(Problem(str(exc), manifest.files[box[2]].index_name, key))
+    return out
+
+
+def _geometry(manifest: Manifest, block: int, bad: set[int] | None = None) -> list[Problem]:
     """Cheap consistency checks of the manifest's chunks against their tensors."""
     problems: list[Problem] = []
+    bad = set() if bad is None else bad
     for key, entry in manifest.tensors.items():
         dtype = torch_dtype(entry.dtype)
         if dtype is None:
@@ -95,7 +129,10 @@ def _geometry(manifest: Manifest, block: int) -> list[Problem]:
             continue
         size = itemsize(dtype)
         covered = 0
-        for c in entry.chunks:
+        chunks = _chunks(manifest, entry, bad, problems, key)
+        if len(chunks) < entry.chunk_count:
+            continue  # in a file whose index is unusable: reported with the file
+        for c in chunks:
             name = manifest.files[c.file].name if 0 <= c.file < len(manifest.files) else f"file #{c.file}"
             if not 0 <= c.file < len(manifest.files):
                 problems.append(Problem("chunk refers to a data file the manifest does not list", name, key,
@@ -113,7 +150,7 @@ def _geometry(manifest: Manifest, block: int) -> list[Problem]:
                 problems.append(Problem("wrong number of block checksums", name, key, c.start, c.end))
         if covered != prod(entry.shape):
             problems.append(Problem(f"chunks hold {covered} of the tensor's {prod(entry.shape)} elements", key=key))
-        elif len(entry.chunks) > 1 and not boxes_disjoint([Box(c.offsets, c.lengths) for c in entry.chunks]):
+        elif len(chunks) > 1 and not boxes_disjoint([Box(c.offsets, c.lengths) for c in chunks]):
             problems.append(Problem("chunks overlap (and so leave part of the tensor uncovered)", key=key))
     return problems
 
@@ -176,7 +213,9 @@ def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | Non
     block = block_size(manifest)
     files = reader.files
     report.files = len(manifest.files)
-    report.problems.extend(_geometry(manifest, block))
+    bad_index, index_problems = _indexes(manifest)
+    report.problems.extend(index_problems)
+    report.problems.extend(_geometry(manifest, block, bad_index))
     report.problems.extend(_values(manifest))
     files.check_sizes = False
     usable: set[int] = set()
@@ -185,10 +224,12 @@ def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | Non
         try:
             sizes[i] = files.handle(i).size
         except CorruptCheckpointError as exc:
-            n = sum(1 for t in manifest.tensors.values() for c in t.chunks if c.file == i)
+            n = sum(1 for t in manifest.tensors.values() for b in t.boxes() if b[2] == i)
             what = "file is missing" if "missing" in str(exc) else str(exc)
             report.problems.append(Problem(f"{what} (it holds {n} chunks)", entry.name))
             continue
+        if i in bad_index:
+            continue  # its chunks' byte ranges are unknown: reported above
         usable.add(i)
         if sizes[i] != entry.nbytes:
             report.problems.append(Problem(
@@ -204,7 +245,7 @@ def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | Non
     checks: list[BlockCheck] = []
     chunk_at: dict[tuple[int, int], tuple[str, Chunk]] = {}
     for key, entry in manifest.tensors.items():
-        for c in entry.chunks:
+        for c in _chunks(manifest, entry, bad_index):
             report.chunks += 1
             if c.file not in usable or len(c.checksum) != max(1, -(-(c.end - c.start) // block)):
                 continue  # reported above / by _geometry

@@ -1,0 +1,218 @@
+"""A data file's index (format 3.0): what only the file's writer knows.
+
+Written by each saving rank next to its data file, once the file's bytes are hashed:
+the byte range and block checksums of every chunk in the file, the file's header size
+and digest, this rank's rank-local values and the tensors inside them. The manifest
+names every index with its size and XXH3-64 digest, so a reader verifies an index before
+trusting it, and reads only the indexes of the files it loads from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from .checksum import checksum
+from .chunk_table import HEX, Chunk, ChunkTable
+from .strict_json import _count, _duplicate, _parse_json, _show
+
+INDEX_FORMAT = "shardsafe-index"
+INDEX_VERSION = (3, 0)
+DATA_SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".index.json"
+
+
+def data_name(rank: int, file_id: str = "") -> str:
+    """The data file of saving rank ``rank`` in a format-3 checkpoint whose files carry the
+    save id ``file_id`` ("" or "." and up to 64 lowercase letters and digits)."""
+    return f"data-r{rank:05d}-00{file_id}{DATA_SUFFIX}"
+
+
+def index_name(data_name: str) -> str:
+    """The index file of data file ``data_name`` (``x.safetensors`` -> ``x.index.json``)."""
+    stem = data_name[: -len(DATA_SUFFIX)] if data_name.endswith(DATA_SUFFIX) else data_name
+    return stem + INDEX_SUFFIX
+
+
+@dataclass(frozen=True)
+class IndexedChunk:
+    """One chunk as its writer records it: tensor ordinal (manifest tensors first, then
+    this index's own rank-local tensors), box, byte range and block checksums."""
+
+    ordinal: int
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    start: int
+    end: int
+    sums: list[str]
+
+
+def build_index(rank: int, header_bytes: int, header_checksum: str, chunks: list[IndexedChunk],
+                local_tensors: dict[str, tuple[str, tuple[int, ...]]], rank_local: dict[str, Any]) -> bytes:
+    """The index file's bytes (rows sorted by tensor ordinal, then offsets)."""
+    rows = sorted(chunks, key=lambda c: (c.ordinal, c.offsets))
+    o: list[int] = []
+    n: list[int] = []
+    b: list[int] = []
+    for c in rows:
+        o.extend(c.offsets)
+        n.extend(c.lengths)
+        b.extend((c.start, c.end))
+    body = {
+        "format": INDEX_FORMAT,
+        "version": list(INDEX_VERSION),
+        "rank": rank,
+        "header_bytes": header_bytes,
+        "header_x": header_checksum,
+        "tensors": {k: {"dtype": dt, "shape": list(shape), "kind": "rank_local"} for k, (dt, shape) in
+                    local_tensors.items()},
+        "chunks": {"t": [c.ordinal for c in rows], "o": o, "n": n, "b": b,
+                   "x": "".join(s for c in rows for s in c.sums)},
+        "rank_local": rank_local,
+    }
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+class FileIndex:
+    """A parsed, validated index of data file ``file`` (an index into the manifest's files)."""
+
+    def __init__(self, file: int, rank: int, header_bytes: int, header_checksum: str, table: ChunkTable,
+                 ordinals: list[int], local_tensors: dict[str, tuple[str, tuple[int, ...]]],
+                 rank_local: dict[str, Any]) -> None:
+        self.file = file
+        self.rank = rank
+        self.header_bytes = header_bytes
+        self.header_checksum = header_checksum
+        self.table = table
+        self.ordinals = ordinals
+        self.local_tensors = local_tensors
+        self.rank_local = rank_local
+        self._rows: dict[tuple[int, tuple[int, ...]], int] | None = None
+        self.raw = b""  # the index's bytes, once verified (copies write them unchanged)
+
+    def __len__(self) -> int:
+        return len(self.ordinals)
+
+    def row(self, ordinal: int, offsets: tuple[int, ...]) -> int | None:
+        """The row of the chunk of tensor ``ordinal`` at ``offsets``, or None."""
+        if self._rows is None:
+            offs = self.table.offsets.tolist()
+            dims = self.table.dims.tolist()
+            self._rows = {(t, tuple(offs[dims[r]: dims[r + 1]])): r for r, t in enumerate(self.ordinals)}
+        return self._rows.get((ordinal, tuple(offsets)))
+
+    def chunk(self, row: int) -> Chunk:
+        """Row ``row`` as a :class:`Chunk` of this file."""
+        return self.table.chunk(row)
+
+    def rows_of(self, ordinal: int) -> list[int]:
+        """The rows of tensor ``ordinal`` (sorted by offsets)."""
+        lo = int(np.searchsorted(self._ords_array(), ordinal, side="left"))
+        hi = int(np.searchsorted(self._ords_array(), ordinal, side="right"))
+        return list(range(lo, hi))
+
+    def _ords_array(self) -> np.ndarray:
+        return np.asarray(self.ordinals, dtype=np.int64)
+
+    @staticmethod
+    def parse(data: bytes, where: str, *, file: int, rank: int, nbytes: int, block: int,
+              tensors: list[tuple[tuple[int, ...], int]]) -> FileIndex:
+        """Parse and validate index bytes (already checked against the manifest's digest).
+        ``tensors`` holds (shape, itemsize) of each manifest tensor, in order; errors name
+        ``where``."""
+        from .dtypes import name_itemsize
+
+        body, spans = _parse_json(data, where, "file index")
+        try:
+            if body.get("format") != INDEX_FORMAT or body.get("version", [None])[0] != INDEX_VERSION[0]:
+                raise CorruptCheckpointError(f"not a format-{INDEX_VERSION[0]} shardsafe file index")
+            if body.get("rank") != rank:
+                raise CorruptCheckpointError(f"index of rank {_show(body.get('rank'))}, the manifest says {rank}")
+            header_bytes, header_x = body["header_bytes"], body["header_x"]
+            if not (_count(header_bytes) and 8 <= header_bytes <= nbytes):
+                raise CorruptCheckpointError(f"header_bytes {_show(header_bytes)} is not from 8 to the file's "
+                                             f"{nbytes} bytes")
+            if not (type(header_x) is str and len(header_x) == HEX):
+                raise CorruptCheckpointError("bad header checksum")
+            local_json, rank_local = body["tensors"], body["rank_local"]
+            if type(local_json) is not dict or type(rank_local) is not dict:
+                raise CorruptCheckpointError("tensors or rank_local is not an object")
+            local: dict[str, tuple[str, tuple[int, ...]]] = {}
+            shapes = [s for s, _ in tensors]
+            sizes = [z for _, z in tensors]
+            for key, t in local_json.items():
+                if type(t) is not dict or set(t) != {"dtype", "shape", "kind"} or t["kind"] != "rank_local":
+                    raise CorruptCheckpointError(f"rank-local tensor '{key}' is not a dtype, shape and kind")
+                dtype, shape = t["dtype"], t["shape"]
+                size = name_itemsize(dtype) if isinstance(dtype, str) else None
+                if not (size and type(shape) is list and all(_count(d) and d < (1 << 62) for d in shape)):
+                    raise CorruptCheckpointError(f"rank-local tensor '{key}': bad dtype {_show(dtype)} or shape")
+                local[key] = (dtype, tuple(shape))
+                shapes.append(tuple(shape))
+                sizes.append(size)
+            cols = body["chunks"]
+            if type(cols) is not dict:
+                raise CorruptCheckpointError("chunks is not an object")
+            ords = cols.get("t")
+            if not (type(ords) is list and all(type(t) is int for t in ords)):
+                raise CorruptCheckpointError("chunks 't' is not a list of tensor ordinals")
+            if any(not 0 <= t < len(shapes) for t in ords) or any(a > b for a, b in zip(ords, ords[1:])):
+                raise CorruptCheckpointError(f"chunks 't' holds an ordinal out of range (0..{len(shapes) - 1}) or "
+                                             "is not sorted")
+            ndim = np.array([len(shapes[t]) for t in ords], dtype=np.int64)
+            table = ChunkTable.from_json({**cols, "f": [0] * len(ords)}, ndim, block, [rank])
+            firsts = np.searchsorted(np.asarray(ords, dtype=np.int64), np.arange(len(shapes) + 1), side="left")
+            name = where.rsplit("/", 1)[-1]
+            bad = table.problem(shapes, sizes, firsts, np.array([header_bytes], dtype=np.int64),
+                                np.array([nbytes], dtype=np.int64), [name])
+            if bad is not None:
+                c, what = bad
+                raise CorruptCheckpointError(f"chunk table: {what}" if c < 0 else f"chunk {c}: {what}")
+            _check_values(rank_local, local)
+            index = FileIndex(file, rank, header_bytes, header_x, table, ords, local, rank_local)
+            seen = set()
+            for r, t in enumerate(ords):
+                a, b = int(table.dims[r]), int(table.dims[r + 1])
+                key = (t, tuple(table.offsets[a:b].tolist()))
+                if key in seen:
+                    raise CorruptCheckpointError(f"chunk {r}: tensor {t} has two chunks at {list(key[1])}")
+                seen.add(key)
+            if spans.counted:
+                dup = _duplicate(data[:-1] if data.endswith(b"}") else data, spans)
+                if dup:
+                    raise CorruptCheckpointError(dup)
+            return index
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{where}: corrupt file index: {exc}") from None
+        except (KeyError, TypeError, IndexError, AttributeError, ValueError, OverflowError) as exc:
+            raise CorruptCheckpointError(f"{where}: corrupt file index: a field is missing or mistyped: "
+                                         f"{exc!r}") from None
+
+
+def _check_values(rank_local: dict[str, Any], local: dict[str, Any]) -> None:
+    """Decode every rank-local value once (as a load would): malformed typed JSON, or a
+    placeholder that names no tensor of this index, is a corrupt index."""
+    from .values import decode
+
+    def on_ref(tag: str, key: str) -> None:
+        if tag != "$tensor" or key not in local:
+            raise CorruptCheckpointError(f"a rank-local value refers to {tag[1:]} {key!r}, which the index does not "
+                                         "hold")
+
+    for value in rank_local.values():
+        decode(value, on_ref)
+
+
+def verify_index(data: bytes, expected_bytes: int, expected_checksum: str, where: str) -> None:
+    """Refuse index bytes whose size or XXH3-64 differs from what the manifest says."""
+    if len(data) != expected_bytes or checksum(data) != expected_checksum:
+        raise CorruptCheckpointError(
+            f"{where}: file index does not match the manifest ({len(data)} bytes, the manifest says "
+            f"{expected_bytes}; {'same' if len(data) == expected_bytes else 'different'} size, digest mismatch)")
+
+
+__all__ = ["FileIndex", "IndexedChunk", "build_index", "data_name", "index_name", "verify_index"]
