@@ -464,8 +464,6 @@ def part_fsdp(pool: WorkerPool, work: Path, cfg: dict, reps: int, res: dict) -> 
 
 
 def part_ddp(pool: WorkerPool, work: Path, reps: int, res: dict) -> None:
-    from shardsafe.format.manifest import MANIFEST_NAME, Manifest
-
     setup = pool.run(c_setup_plain, DDP_MIB, DDP_SMALL)
     world = pool.world
     out: dict[str, Any] = {"state_bytes": setup[0]["local_bytes"], "tensors": setup[0]["tensors"],
@@ -479,7 +477,7 @@ def part_ddp(pool: WorkerPool, work: Path, reps: int, res: dict) -> None:
             p = rd / which
             rs = pool.run(c_save, which, "ddp", str(p))
             if which == "shardsafe":
-                m = Manifest.from_bytes((p / MANIFEST_NAME).read_bytes())
+                m = shardsafe.read_manifest(p)  # every file index read (format 3)
                 per = [0] * world
                 for entry in m.tensors.values():
                     for c in entry.chunks:

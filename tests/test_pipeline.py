@@ -460,3 +460,17 @@ def test_load_broadcasts_replicated_tensors(pg_pool, tmp_path):
     chunks = [c for e in m.tensors.values() for c in e.chunks]
     assert {c.rank for c in chunks if c.end - c.start < 64 << 10} == {0}
     assert [r["read"] for r in shared] == [sum(c.end - c.start for c in chunks if c.rank == k) for k in range(4)]
+
+
+def test_small_replicated_values_are_packed_onto_the_lowest_holders():
+    """Replicated boxes under 64 KiB go to the lowest holders, 16 MiB each (a load then
+    reads few indexes); larger ones are still balanced."""
+    small = [TensorLayout(f"s{i:04d}", "float32", (8192,), 4, "replicated", [Box((0,), (8192,))])
+             for i in range(600)]  # 600 x ~32 KiB = ~19 MiB
+    big = [TensorLayout(f"b{i}", "float32", (1 << 18,), 4, "replicated", [Box((0,), (1 << 18,))]) for i in range(4)]
+    plan = plan_global([small + big] * 4, ["same"] * 4)
+    writer = {a.key: r for r, items in enumerate(plan.by_rank) for a in items}
+    packed = [writer[f"s{i:04d}"] for i in range(600)]
+    assert set(packed) == {0, 1} and packed == sorted(packed)  # rank 0 until 16 MiB, then rank 1
+    assert sum(1 for r in packed if r == 0) * 8192 * 4 <= 16 << 20
+    assert {writer[f"b{i}"] for i in range(4)} == {0, 1, 2, 3}  # 1 MiB each: balanced, one per rank

@@ -115,6 +115,10 @@ def byte_runs(inner: Box, outer: Box, itemsize: int) -> Iterator[tuple[int, int]
 
     The runs list the inner box's elements in its own row-major order, so copying the
     runs back to back yields the inner box as a contiguous tensor."""
+    if inner.offsets == outer.offsets and inner.lengths == outer.lengths:  # the whole chunk: one run
+        if not inner.is_empty():
+            yield (0, prod(inner.lengths) * itemsize)
+        return
     if not outer.contains(inner):
         raise ValueError(f"box {inner} is not inside chunk {outer}")
     if inner.is_empty():

@@ -173,6 +173,7 @@ class FileIndex:
                 c, what = bad
                 raise CorruptCheckpointError(f"chunk table: {what}" if c < 0 else f"chunk {c}: {what}")
             _check_values(rank_local, local)
+            table.chunks(0, 0)  # columns as Python lists once: chunks are then built without numpy calls
             index = FileIndex(file, rank, header_bytes, header_x, table, ords, local, rank_local)
             seen = set()
             for r, t in enumerate(ords):

@@ -157,6 +157,15 @@ class TensorEntry:
             raise CorruptCheckpointError(f"tensor '{self._owner.key_of(self._ord)}': its rule puts a chunk in the "
                                          f"file of rank {exc.args[0]}, which wrote none") from None
 
+    @property
+    def indexed(self) -> bool:
+        """True for a format-3 entry whose byte ranges are in file indexes."""
+        return self._owner is not None and self._chunks is None and self._table is None
+
+    def resolve_boxes(self, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> list[Chunk]:
+        """The chunks at the given (offsets, lengths, file) of this format-3 entry."""
+        return self._resolve(boxes)
+
     def _resolve(self, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> list[Chunk]:
         assert self._owner is not None
         return self._owner.resolve(self._ord, boxes)
@@ -683,8 +692,8 @@ def _parse_v3(body: dict[str, Any], spans: Any, head: bytes, version: tuple[int,
             and len(set(rank_local)) == len(rank_local)):
         raise CorruptCheckpointError("inconsistent manifest: rank_local is not a list of distinct keys")
     tensors_json = body["tensors"]
-    tensors = _tensors_v3(tensors_json, body["chunks"], meshes, len(files))
-    if _object_members(tensors_json) != spans.counted.get("tensors"):
+    tensors, members = _tensors_v3(tensors_json, body["chunks"], meshes, len(files))
+    if members != spans.counted.get("tensors"):
         duplicate = _duplicate(head, spans)
         if duplicate:
             raise CorruptCheckpointError(f"manifest is not valid JSON: {duplicate}")
@@ -724,8 +733,10 @@ def _hex_lower(s: str) -> bool:
         return False
 
 
-def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles: int) -> dict[str, TensorEntry]:
-    """Tensor entries: by rule, or by explicit boxes (rows of the geometry table)."""
+def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles: int
+                ) -> tuple[dict[str, TensorEntry], int]:
+    """Tensor entries: by rule, or by explicit boxes (rows of the geometry table), and the
+    object members of ``tensors_json`` (fewer than its raw text holds: a duplicate key)."""
     from .dtypes import name_itemsize
 
     if type(tensors_json) is not dict:
@@ -738,12 +749,22 @@ def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles:
         raise CorruptCheckpointError("inconsistent manifest: chunks 'o', 'n', 'f' are not lists of integers")
     out: dict[str, TensorEntry] = {}
     row = dim = 0
+    known: set[tuple[Any, tuple[Any, ...]]] = set()  # (dtype, shape) validated
+    rules: dict[tuple, Rule] = {}
+    members = len(tensors_json)
     for key, t in tensors_json.items():
         if type(t) is not dict:
             raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}' is not an object")
+        members += len(t)
         dtype, shape, kind = t["dtype"], t["shape"], t.get("kind", "replicated")
-        _head_itemsize(key, dtype, shape, name_itemsize)
-        shape_t = tuple(shape)
+        shape_t = tuple(shape) if type(shape) is list else ()
+        try:
+            seen = (dtype, shape_t) in known and set(map(type, shape)) <= {int}
+        except TypeError:
+            seen = False
+        if not seen:
+            _head_itemsize(key, dtype, shape, name_itemsize)
+            known.add((dtype, shape_t))
         if kind not in ("replicated", "sharded"):
             raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': kind {_show(kind)} (rank-local "
                                          "tensors are listed in the file indexes)")
@@ -752,6 +773,7 @@ def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles:
             if not (type(rule) is dict and set(rule) == {"mesh", "placements", "salt"}):
                 raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': rule is not mesh, placements "
                                              "and salt")
+            members += len(rule)
             m, placements, salt = rule["mesh"], rule["placements"], rule["salt"]
             if not (type(m) is int and 0 <= m < len(meshes) and type(placements) is list and _count(salt)
                     and salt < _LIMIT):
@@ -760,14 +782,20 @@ def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles:
                 raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': a rule needs a shape of "
                                              "non-zero dims")
             try:
-                out[key] = TensorEntry.by_rule(dtype, shape_t, kind, Rule(
-                    shape_t, meshes[m], tuple(parse_placement(p, len(shape_t)) for p in placements), salt))
+                parsed = tuple(parse_placement(p, len(shape_t)) for p in placements)
+                rule_key = (shape_t, m, parsed, salt)
+                rule_obj = rules.get(rule_key)  # one Rule per geometry: its boxes are computed once
+                if rule_obj is None:
+                    rule_obj = rules[rule_key] = Rule(shape_t, meshes[m], parsed, salt)
+                out[key] = TensorEntry.by_rule(dtype, shape_t, kind, rule_obj)
             except CorruptCheckpointError as exc:
                 raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': {exc}") from None
             continue
         layout, span = t.get("layout"), t.get("chunks")
         if not (layout is None or type(layout) is dict):
             raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad layout")
+        if layout is not None:
+            members += _object_members(layout)
         if not (type(span) is list and len(span) == 2 and span[0] == row and type(span[1]) is int
                 and 1 <= span[1] <= len(f) - row):
             raise CorruptCheckpointError(
@@ -790,7 +818,7 @@ def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles:
     if row != len(f) or dim != len(o):
         raise CorruptCheckpointError(f"inconsistent manifest: the tensors claim {row} chunks, the chunk table has "
                                      f"{len(f)}")
-    return out
+    return out, members
 
 
 class RankLocalValues(Mapping):

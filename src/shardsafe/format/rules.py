@@ -130,7 +130,7 @@ class Rule:
     boxes; replicas numbered row-major over the Replicate dims)."""
 
     __slots__ = ("shape", "mesh", "placements", "salt", "_dims", "_levels_of", "_rep_dims", "_replicas",
-                 "_shard_dims_of")
+                 "_shard_dims_of", "_meeting")
 
     def __init__(self, shape: tuple[int, ...], mesh: Mesh, placements: tuple[Placement, ...], salt: int = 0) -> None:
         if len(placements) != len(mesh.shape):
@@ -144,6 +144,7 @@ class Rule:
         self._rep_dims = [i for i, p in enumerate(placements) if p[0] == "R"]
         self._replicas = prod(mesh.shape[i] for i in self._rep_dims)
         self._dims: list[DimPartition] | None = None
+        self._meeting: dict[tuple, list] = {}  # boxes_meeting by query (tensors share rules: see the parser)
 
     @property
     def replicas(self) -> int:
@@ -189,6 +190,14 @@ class Rule:
     def boxes_meeting(self, offsets: tuple[int, ...], lengths: tuple[int, ...]
                       ) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
         """(offsets, lengths, saving rank) of every box that overlaps the given box."""
+        query = (offsets, lengths)
+        found = self._meeting.get(query)
+        if found is None:
+            found = self._meeting[query] = self._boxes_meeting(offsets, lengths)
+        return found
+
+    def _boxes_meeting(self, offsets: tuple[int, ...], lengths: tuple[int, ...]
+                       ) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
         ranges = []
         for part, o, n in zip(self.dims(), offsets, lengths):
             if n <= 0:

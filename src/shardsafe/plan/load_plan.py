@@ -15,6 +15,7 @@ from typing import NamedTuple
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize, torch_dtype
 from ..format.manifest import Chunk, Manifest
+from ..gcpause import gc_paused
 from ..layout import Box, boxes_disjoint, byte_runs, intersect
 
 DEFAULT_MAX_BUFFER = 64 << 20
@@ -95,14 +96,45 @@ def _dest_range(dest: Dest, box: Box, size: int) -> tuple[int, int] | None:
     return start, start + n
 
 
+def _intersections(dest: Dest, meeting: list[Chunk], size: int, max_buffer: int
+                   ) -> tuple[list[tuple[int, Box, tuple[tuple[int, int], ...], tuple[int, int] | None]], int, bool]:
+    """For ``dest`` and the chunks it meets: (chunk index, piece, byte runs relative to the
+    chunk's start, destination range) of every read, the elements covered, and whether the
+    chunks overlap."""
+    out = []
+    covered = 0
+    parts: list[Box] = []
+    for i, chunk in enumerate(meeting):
+        cbox = Box(chunk.offsets, chunk.lengths)
+        part = intersect(dest.box, cbox)
+        if part is None:
+            continue
+        covered += part.numel
+        parts.append(part)
+        direct = _dest_range(dest, part, size)
+        for piece in [part] if direct is not None else slabs(part, size, max_buffer):
+            out.append((i, piece, tuple(byte_runs(piece, cbox, size)), direct))
+    return out, covered, len(parts) > 1 and not boxes_disjoint(parts)
+
+
 def plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int = DEFAULT_MAX_BUFFER) -> list[ReadOp]:
     """Read ops covering every destination exactly; a hole or an overlap in the saved
-    chunks is a CorruptCheckpointError naming the tensor."""
+    chunks is a CorruptCheckpointError naming the tensor. (The cyclic GC is paused: the
+    ops are many small acyclic objects, and a collection over a big heap per few hundred
+    of them tripled planning time at thousands of tensors.)"""
+    with gc_paused():
+        return _plan_reads(manifest, dests, max_buffer)
+
+
+def _plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int) -> list[ReadOp]:
     ops: list[ReadOp] = []
-    if manifest.indexed:  # format 3: read the indexes of every file the boxes meet, at once
-        manifest.load_indexes({f for dest in dests if not dest.box.is_empty() and dest.key in manifest.tensors
-                               for _, _, f in manifest.tensors[dest.key].boxes_meeting(dest.box.offsets,
-                                                                                     dest.box.lengths)})
+    memo: dict[tuple, tuple] = {}
+    geoms: list | None = None
+    if manifest.indexed:  # format 3: the boxes each dest meets, then every index they need, read at once
+        geoms = [None if dest.box.is_empty() or dest.key not in manifest.tensors or
+                 not manifest.tensors[dest.key].indexed else
+                 manifest.tensors[dest.key].boxes_meeting(dest.box.offsets, dest.box.lengths) for dest in dests]
+        manifest.load_indexes({f for g in geoms if g for _, _, f in g})
     for index, dest in enumerate(dests):
         entry = manifest.tensors[dest.key]
         dtype = torch_dtype(entry.dtype)
@@ -110,9 +142,10 @@ def plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int = DEFAULT_
             raise CorruptCheckpointError(f"tensor '{dest.key}': unknown dtype {entry.dtype!r}")
         size = itemsize(dtype)
         covered = 0
-        parts: list[Box] = []
         if not dest.box.is_empty():
-            meeting = entry.chunks_meeting(dest.box.offsets, dest.box.lengths)
+            geom = geoms[index] if geoms is not None else None
+            meeting = entry.resolve_boxes(geom) if geom is not None else \
+                entry.chunks_meeting(dest.box.offsets, dest.box.lengths)
             if len(meeting) == 1 and dest.box.offsets == meeting[0].offsets and \
                     dest.box.lengths == meeting[0].lengths:
                 # The common case: one chunk that is exactly the destination box.
@@ -122,20 +155,18 @@ def plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int = DEFAULT_
                     ops.append(ReadOp(index, dest.key, chunk, dest.box, ((chunk.start, n),),
                                       (0, n) if dest.direct else None))
                     continue
-            for chunk in meeting:
-                cbox = Box(chunk.offsets, chunk.lengths)
-                part = intersect(dest.box, cbox)
-                if part is None:
-                    continue
-                covered += part.numel
-                parts.append(part)
-                direct = _dest_range(dest, part, size)
-                pieces = [part] if direct is not None else slabs(part, size, max_buffer)
-                for piece in pieces:
-                    runs = tuple((chunk.start + s, n) for s, n in byte_runs(piece, cbox, size))
-                    ops.append(ReadOp(index, dest.key, chunk, piece, runs, direct))
-        if len(parts) > 1 and not boxes_disjoint(parts):
-            raise CorruptCheckpointError(f"tensor '{dest.key}': saved chunks overlap (the manifest is corrupt)")
+            # What the intersections are depends only on the boxes, the itemsize and how the
+            # bytes land: computed once per geometry (a model repeats a few shapes many times).
+            memo_key = (dest.box, dest.direct, size, tuple((c.offsets, c.lengths) for c in meeting))
+            shape = memo.get(memo_key)
+            if shape is None:
+                shape = memo[memo_key] = _intersections(dest, meeting, size, max_buffer)
+            pieces_of, covered, overlap = shape
+            if overlap:
+                raise CorruptCheckpointError(f"tensor '{dest.key}': saved chunks overlap (the manifest is corrupt)")
+            for i, piece, runs, direct in pieces_of:
+                chunk = meeting[i]
+                ops.append(ReadOp(index, dest.key, chunk, piece, tuple((chunk.start + s, n) for s, n in runs), direct))
         if covered != dest.box.numel:
             raise CorruptCheckpointError(
                 f"tensor '{dest.key}': saved chunks cover {covered} of the {dest.box.numel} elements needed "
@@ -175,10 +206,22 @@ def chunk_checks(key: str, chunk: Chunk, blocks: list[int] | None, block: int) -
 
 def block_checks(ops: list[ReadOp], block: int) -> list[BlockCheck]:
     """Every checksum block the ops touch, once, sorted by file and offset."""
+    with gc_paused():
+        return _block_checks(ops, block)
+
+
+def _block_checks(ops: list[ReadOp], block: int) -> list[BlockCheck]:
     wanted: dict[tuple[int, int], tuple[str, Chunk, set[int]]] = {}
+    whole: dict[tuple[int, int], tuple[str, Chunk]] = {}  # chunks read whole: every block, no set
     for op in ops:
-        entry = wanted.setdefault((op.chunk.file, op.chunk.start), (op.key, op.chunk, set()))
+        where = (op.chunk.file, op.chunk.start)
+        if op.whole_chunk and len(op.runs) == 1 and op.runs[0][1] == op.chunk.end - op.chunk.start:
+            whole[where] = (op.key, op.chunk)
+            continue
+        entry = wanted.setdefault(where, (op.key, op.chunk, set()))
         entry[2].update(needed_blocks(op, block))
-    checks = [c for key, chunk, bl in wanted.values() for c in chunk_checks(key, chunk, sorted(bl), block)]
-    checks.sort(key=lambda c: (c.file, c.lo))
+    checks = [c for where, (key, chunk, bl) in wanted.items() if where not in whole
+              for c in chunk_checks(key, chunk, sorted(bl), block)]
+    checks.extend(c for key, chunk in whole.values() for c in chunk_checks(key, chunk, None, block))
+    checks.sort()  # by file, then offset (a block's (file, lo) is unique)
     return checks

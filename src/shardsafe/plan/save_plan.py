@@ -7,7 +7,7 @@ rank computes the same plan without further messages. Rules:
 - a box held by one rank only is written by that rank;
 - a box held by several ranks (replicated tensors, DTensor replicas) goes to the holder
   with the least bytes so far (counting the single-holder boxes), largest boxes first
-  (ties: lowest rank); one under 64 KiB goes to its lowest holder;
+  (ties: lowest rank); those under 64 KiB are packed onto the lowest holders, 16 MiB each;
 - a replicated tensor larger than 1/8 of the mean bytes per rank is first split into row
   ranges, so that no rank carries much more than its share;
 - a rank with nothing to write writes no file;
@@ -38,9 +38,11 @@ RuleKey = tuple  # (MeshKey, placements as tuples)
 SPLIT_FRACTION = 8  # replicated tensors above mean/SPLIT_FRACTION bytes are split into rows
 MIN_SPLIT_BYTES = 1 << 20
 SMALL_BYTES = 64 << 10
-"""Replicated boxes smaller than this (step counters, biases) are written by their lowest
-holder instead of being spread for balance: a loading rank then finds them in one or two
-files' indexes instead of one file per value (format 3 reads only the indexes it needs)."""
+SMALL_PACK = 16 << 20
+"""Replicated boxes smaller than SMALL_BYTES (step counters, biases, norms) are packed onto
+their lowest holders, SMALL_PACK bytes per rank, instead of being spread one by one for
+balance: a loading rank then finds them in one or two files' indexes instead of one file
+per value (format 3 reads only the indexes it needs)."""
 
 
 @dataclass
@@ -310,10 +312,14 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
     # gathered layouts are), so comparing sizes alone is enough for a deterministic plan.
     choice.sort(key=lambda w: -w[0])
     heap = [(load[r], r) for r in range(world)]  # (load, rank); stale once a rank's load changes
+    small: dict[int, int] = {}  # bytes of small boxes packed onto each rank
     heapq.heapify(heap)
     for nbytes, key, box, whole, ranks in choice:
         if nbytes < SMALL_BYTES:
-            r = ranks[0]  # holders are sorted: the lowest one, so loads find small values in few files
+            # Packed onto the lowest holders (sorted), SMALL_PACK bytes each, so that a load
+            # finds them in few files' indexes.
+            r = next((h for h in ranks if small.get(h, 0) + nbytes <= SMALL_PACK), ranks[0])
+            small[r] = small.get(r, 0) + nbytes
             load[r] += nbytes
         elif len(ranks) == world:
             while True:
