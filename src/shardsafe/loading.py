@@ -22,6 +22,7 @@ from .engine.reader import OpenFiles, Reader
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.checksum import checksum
 from .format.manifest import MANIFEST_NAME, Manifest
+from .gcpause import gc_paused
 from .plan.load_plan import DEFAULT_MAX_BUFFER, BlockCheck, Dest, ReadOp, block_checks, plan_reads
 from .state.match import Fill, Matcher, MatchResult
 from .storage.base import Backend, Folder
@@ -145,11 +146,14 @@ def plan_phase(manifest: Manifest, fills: list[Fill], *, verify: bool, verify_fr
                max_buffer: int) -> ReadPlan:
     """Ops for every fill; with ``verify`` the blocks to check. Whole chunks landing in
     fresh memory are checked after they land unless ``verify_fresh_first``."""
-    ops = plan_reads(manifest, dests_of(fills), max_buffer)
-    post: set[int] = set()
-    if verify and not verify_fresh_first:
-        post = {i for i, op in enumerate(ops) if fills[op.dest].fresh and op.whole_chunk and op.dest_range is not None}
-    checks = block_checks([op for i, op in enumerate(ops) if i not in post], block_size(manifest)) if verify else []
+    with gc_paused():  # one pause for both steps: their objects are collected once, afterwards
+        ops = plan_reads(manifest, dests_of(fills), max_buffer)
+        post: set[int] = set()
+        if verify and not verify_fresh_first:
+            post = {i for i, op in enumerate(ops)
+                    if fills[op.dest].fresh and op.whole_chunk and op.dest_range is not None}
+        checks = block_checks([op for i, op in enumerate(ops) if i not in post], block_size(manifest)) \
+            if verify else []
     return ReadPlan(ops, checks, post, verify)
 
 

@@ -106,7 +106,7 @@ class FileIndex:
         return self._rows.get((ordinal, tuple(offsets)))
 
     def chunk(self, row: int) -> Chunk:
-        """Row ``row`` as a :class:`Chunk` of this file."""
+        """Row ``row`` as a :class:`Chunk` of this file (its ``file`` and ``rank`` set)."""
         return self.table.chunk(row)
 
     def rows_of(self, ordinal: int) -> list[int]:
@@ -173,7 +173,11 @@ class FileIndex:
                 c, what = bad
                 raise CorruptCheckpointError(f"chunk table: {what}" if c < 0 else f"chunk {c}: {what}")
             _check_values(rank_local, local)
-            table.chunks(0, 0)  # columns as Python lists once: chunks are then built without numpy calls
+            # Validated: the rows' file is this file, written by ``rank``; the columns become
+            # Python lists once, so chunks are built without numpy calls.
+            table.file = np.full(len(ords), file, dtype=np.int64)
+            table.file_ranks = {file: rank}  # type: ignore[assignment]
+            table.chunks(0, 0)
             index = FileIndex(file, rank, header_bytes, header_x, table, ords, local, rank_local)
             seen = set()
             for r, t in enumerate(ords):

@@ -336,18 +336,19 @@ class Manifest:
             self._local_keys[(index.file, base + i)] = key
 
     def _chunk(self, index: FileIndex, row: int) -> Chunk:
-        c = index.chunk(row)
-        return Chunk(c.offsets, c.lengths, index.file, c.start, c.end, c.checksum, index.rank)
+        return index.chunk(row)
 
     def resolve(self, ordinal: int, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> list[Chunk]:
         """The chunks of manifest tensor ``ordinal`` at the given (offsets, lengths, file),
         with byte ranges and checksums from the files' indexes."""
-        self.load_indexes({f for _, _, f in boxes})
+        indexes = self._indexes
+        if any(f not in indexes for _, _, f in boxes):
+            self.load_indexes({f for _, _, f in boxes})
         out = []
         for offsets, lengths, f in boxes:
-            index = self._indexes[f]
+            index = indexes[f]
             row = index.row(ordinal, offsets)
-            chunk = None if row is None else self._chunk(index, row)
+            chunk = None if row is None else index.table.chunk(row)
             if chunk is None or chunk.lengths != tuple(lengths):
                 raise CorruptCheckpointError(
                     f"tensor '{self.key_of(ordinal)}': the chunk at {list(offsets)}+{list(lengths)} is not in the "

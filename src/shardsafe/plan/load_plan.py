@@ -135,43 +135,47 @@ def _plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int) -> list[
                  not manifest.tensors[dest.key].indexed else
                  manifest.tensors[dest.key].boxes_meeting(dest.box.offsets, dest.box.lengths) for dest in dests]
         manifest.load_indexes({f for g in geoms if g for _, _, f in g})
+    tensors = manifest.tensors
+    sizes: dict[str, int] = {}
     for index, dest in enumerate(dests):
-        entry = manifest.tensors[dest.key]
-        dtype = torch_dtype(entry.dtype)
-        if dtype is None:
-            raise CorruptCheckpointError(f"tensor '{dest.key}': unknown dtype {entry.dtype!r}")
-        size = itemsize(dtype)
-        covered = 0
-        if not dest.box.is_empty():
-            geom = geoms[index] if geoms is not None else None
-            meeting = entry.resolve_boxes(geom) if geom is not None else \
-                entry.chunks_meeting(dest.box.offsets, dest.box.lengths)
-            if len(meeting) == 1 and dest.box.offsets == meeting[0].offsets and \
-                    dest.box.lengths == meeting[0].lengths:
-                # The common case: one chunk that is exactly the destination box.
-                chunk = meeting[0]
-                n = chunk.end - chunk.start
-                if dest.direct or n <= max_buffer:
-                    ops.append(ReadOp(index, dest.key, chunk, dest.box, ((chunk.start, n),),
-                                      (0, n) if dest.direct else None))
-                    continue
-            # What the intersections are depends only on the boxes, the itemsize and how the
-            # bytes land: computed once per geometry (a model repeats a few shapes many times).
-            memo_key = (dest.box, dest.direct, size, tuple((c.offsets, c.lengths) for c in meeting))
-            shape = memo.get(memo_key)
-            if shape is None:
-                shape = memo[memo_key] = _intersections(dest, meeting, size, max_buffer)
-            pieces_of, covered, overlap = shape
-            if overlap:
-                raise CorruptCheckpointError(f"tensor '{dest.key}': saved chunks overlap (the manifest is corrupt)")
-            for i, piece, runs, direct in pieces_of:
-                chunk = meeting[i]
-                ops.append(ReadOp(index, dest.key, chunk, piece, tuple((chunk.start + s, n) for s, n in runs), direct))
-        if covered != dest.box.numel:
+        key, box = dest.key, dest.box
+        entry = tensors[key]
+        size = sizes.get(entry.dtype)
+        if size is None:
+            dtype = torch_dtype(entry.dtype)
+            if dtype is None:
+                raise CorruptCheckpointError(f"tensor '{key}': unknown dtype {entry.dtype!r}")
+            size = sizes[entry.dtype] = itemsize(dtype)
+        if 0 in box.lengths:
+            continue  # nothing to read (and nothing to cover)
+        geom = geoms[index] if geoms is not None else None
+        meeting = entry.resolve_boxes(geom) if geom is not None else entry.chunks_meeting(box.offsets, box.lengths)
+        if len(meeting) == 1 and box.offsets == meeting[0].offsets and box.lengths == meeting[0].lengths:
+            # The common case: one chunk that is exactly the destination box.
+            chunk = meeting[0]
+            n = chunk.end - chunk.start
+            if dest.direct or n <= max_buffer:
+                ops.append(ReadOp(index, key, chunk, box, ((chunk.start, n),), (0, n) if dest.direct else None))
+                continue
+        # What the intersections are depends only on the boxes, the itemsize and how the
+        # bytes land: computed once per geometry (a model repeats a few shapes many times).
+        memo_key = (box, dest.direct, size, tuple([(c.offsets, c.lengths) for c in meeting]))
+        shape = memo.get(memo_key)
+        if shape is None:
+            shape = memo[memo_key] = _intersections(dest, meeting, size, max_buffer)
+        pieces_of, covered, overlap = shape
+        if overlap:
+            raise CorruptCheckpointError(f"tensor '{key}': saved chunks overlap (the manifest is corrupt)")
+        if covered != box.numel:
             raise CorruptCheckpointError(
-                f"tensor '{dest.key}': saved chunks cover {covered} of the {dest.box.numel} elements needed "
+                f"tensor '{key}': saved chunks cover {covered} of the {box.numel} elements needed "
                 "(the manifest is corrupt)"
             )
+        for i, piece, runs, direct in pieces_of:
+            chunk = meeting[i]
+            start = chunk.start
+            ops.append(ReadOp(index, key, chunk, piece, ((start + runs[0][0], runs[0][1]),) if len(runs) == 1 else
+                              tuple([(start + s, n) for s, n in runs]), direct))
     return ops
 
 
