@@ -643,6 +643,27 @@ class S3Folder(Folder):
             raise CheckpointNotFoundError(f"{self.where(name)} does not exist")
         return S3ReadHandle(self, name, int(meta["size"]), meta.get("e_tag"))
 
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        """The whole object ``name`` in one GET (no HEAD first: manifests and file indexes
+        are read whole); more than ``limit`` bytes is a CorruptCheckpointError, read no further."""
+        key = self.key(name)
+
+        def get() -> bytes | int:
+            result = obstore.get(self.b.store, key)
+            size = int(result.meta["size"])
+            return size if size > limit else bytes(result.bytes())
+
+        try:
+            got = self._call("read", name, get, _NOT_FOUND)
+        except _NOT_FOUND:
+            if self._first_under(key):
+                raise CorruptCheckpointError(
+                    f"{self.where(name)} is not a regular file; checkpoints hold regular files only") from None
+            raise CheckpointNotFoundError(f"{self.where(name)} does not exist") from None
+        if isinstance(got, int):
+            raise CorruptCheckpointError(f"{self.where(name)}: {got} bytes, more than the {limit} allowed")
+        return got
+
     def create(self, name: str) -> WriteHandle:
         if self._head(name) is not None:
             raise StorageError(f"cannot create {self.where(name)}: it exists", errno.EEXIST, self.where(name))
