@@ -1,7 +1,8 @@
-"""The manifest's chunk table: every saved chunk of every tensor, stored column-wise.
+"""Chunk tables, stored column-wise: a format-2 manifest's (every saved chunk of every
+tensor) and each format-3 file index's (the chunks of one data file).
 
-One flat integer list per field for the whole checkpoint (offsets, lengths, file, byte
-range) and one string of concatenated block checksums. Parsing 100k+ chunks is then a
+One flat integer list per field (offsets, lengths, file, byte range) and one string of
+concatenated block checksums. Parsing 100k+ chunks is then a
 handful of ``json.loads`` lists turned into numpy arrays and checked with vectorized
 comparisons; :class:`Chunk` objects are built only for the chunks a caller asks for.
 """

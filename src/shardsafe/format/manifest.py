@@ -2,6 +2,10 @@
 
 It is written last; a directory without a valid manifest is not a checkpoint. Its own
 integrity is protected by a trailing XXH3-64 over the bytes that precede the trailer.
+Format 3 (what saves write) keeps it O(tensors + files): rule tensors' chunks are computed
+(rules.py) and byte ranges, checksums and rank-local values are read from the indexes of
+the files a caller needs (file_index.py), verified against digests listed here. Formats 1
+and 2 (every chunk in the manifest) are still read.
 """
 
 from __future__ import annotations
@@ -54,9 +58,11 @@ _new_entry = object.__new__
 class TensorEntry:
     """A logical tensor: dtype, global shape, kind, and the chunks that cover it.
 
-    An entry built by a writer holds a list of :class:`Chunk`; one parsed from a file
-    points into the manifest's :class:`ChunkTable` and builds Chunk objects only when
-    ``chunks`` is first read (:meth:`chunks_meeting` needs none for the others)."""
+    An entry holds a list of :class:`Chunk` (built by a writer, or a rank-local tensor
+    from a file index), or points into a format-2 manifest's :class:`ChunkTable`, or
+    (format 3) has a ``rule`` or explicit boxes whose byte ranges its manifest resolves
+    through file indexes. Chunk objects are built only when asked for (``chunks``,
+    :meth:`chunks_meeting`); :meth:`boxes_meeting` needs no index at all."""
 
     __slots__ = ("dtype", "shape", "kind", "layout", "_chunks", "_table", "_lo", "_hi", "rule", "_geom", "_owner",
                  "_ord")
@@ -223,7 +229,9 @@ class FileEntry:
 
 @dataclass
 class Manifest:
-    """Everything a reader needs: files, tensors, the typed-JSON value tree."""
+    """Everything a reader needs: files, tensors, the typed-JSON value tree. A format-3
+    manifest reads file indexes through ``index_source`` (set by whoever opened the
+    checkpoint) when a chunk's byte range or a rank-local value is first needed."""
 
     tree: Any
     tensors: dict[str, TensorEntry]
