@@ -387,3 +387,18 @@ def save_with_write_failure(rank: int, world: int, path: str, bad_rank: int) -> 
             error = (type(exc).__name__, str(exc), isinstance(exc, shardsafe.CheckpointError))
     ok = shardsafe.save({"w": torch.ones(4)}, path + "-after")  # the group is still in step
     return {"error": error, "after_bytes": ok.bytes_written}
+
+
+def save_on_own_one_rank_group(rank: int, world: int, path: str) -> dict:
+    """Each rank saves a DTensor of its own one-rank sub-mesh through that sub-mesh's
+    group (group rank 0, global rank ``rank``); the checkpoint loads back whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "solo"))
+    solo = mesh["solo"]
+    w = distribute_tensor(torch.arange(8.0) + rank, solo, [Shard(0)])
+    target = f"{path}-{rank}"
+    shardsafe.save({"w": w}, target, process_group=solo.get_group())
+    got = shardsafe.load_full(target)["w"]
+    return {"equal": torch.equal(got, torch.arange(8.0) + rank)}

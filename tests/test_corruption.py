@@ -801,3 +801,36 @@ def test_flipped_or_missing_index_is_reported(tmp_path):
     (path / INDEX).unlink()
     with pytest.raises(CorruptCheckpointError, match=f"file index .*{INDEX} is missing"):
         shardsafe.load_full(path)
+
+
+@pytest.mark.parametrize("case", ["huge_split_factor", "huge_strided_dim", "many_pieces"])
+def test_rule_claiming_too_many_pieces_is_refused_before_any_work(tmp_path, case):
+    """A rule's boxes are bounded before anything is cut: a hostile split factor or a huge
+    strided dim cannot make a reader allocate or loop in proportion to what it claims."""
+    import time
+
+    path, _ = make_ckpt(tmp_path)
+    body = json.loads((path / MANIFEST_NAME).read_bytes())
+    if case == "huge_split_factor":
+        _as_rule(body, placements=[["SS", 0, 2**31 - 1]])
+    elif case == "huge_strided_dim":  # 2^36 rows: a per-position array would need 512 GiB
+        _as_rule(body, placements=[["SS", 0, 1]])
+        body["tensors"]["last"]["shape"] = [2**36]
+    else:  # a mesh of many ranks, each with its own piece: more pieces than the indexes could list
+        body["world_size"] = 1 << 20
+        _as_rule(body, mesh={"shape": [1 << 20], "ranks": list(range(1 << 20)), "dim_names": None})
+        body["tensors"]["last"]["shape"] = [1 << 20]
+    write_body(path, body)
+    dest = sentinel_dest()
+    t0 = time.perf_counter()
+    calls = [lambda: shardsafe.load_full(path), lambda: shardsafe.load(dest, path)]
+    if case != "huge_strided_dim":  # refused with the manifest
+        calls += [lambda: shardsafe.read_manifest(path), lambda: shardsafe.tools.inspect_checkpoint(path)]
+    for call in calls:  # (the huge dim: one cheap box, which its index does not list; in place, a shape mismatch)
+        with pytest.raises(shardsafe.CheckpointError) as ei:
+            call()
+        assert "'last'" in str(ei.value) or "chunks than the file indexes" in str(ei.value), str(ei.value)
+    if case == "huge_strided_dim":
+        assert not shardsafe.tools.verify_checkpoint(path).ok
+    assert time.perf_counter() - t0 < 30
+    assert_dest_untouched(dest)

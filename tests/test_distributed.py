@@ -428,3 +428,10 @@ def test_fsdp_4_to_single_process(ckpts):
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     got = dist_cases.full_reference(dist_cases.train_state(model, opt))
     dist_cases.assert_bitwise(torch.load(ref, weights_only=True), got)
+
+
+def test_save_through_a_one_rank_group_whose_rank_is_not_global_rank_0(pg_pool, tmp_path):
+    """The group's rank 0 is global rank 1 on the second process: the rule's mesh is
+    mapped to group ranks, so the save is not refused."""
+    got = pg_pool(2).run(dist_cases.save_on_own_one_rank_group, str(tmp_path / "ck"))
+    assert [g["equal"] for g in got] == [True, True]

@@ -113,9 +113,10 @@ def delete(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> 
     return default_checkpointer().delete(path, storage_options)
 
 
-def read_manifest(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Manifest:
-    """Parse and verify the manifest of the committed checkpoint at ``path``."""
-    return default_checkpointer().read_manifest(path, storage_options)
+def read_manifest(path: PathLike, *, storage_options: dict[str, Any] | None = None, indexes: bool = True) -> Manifest:
+    """Parse and verify the manifest of the committed checkpoint at ``path`` (with
+    ``indexes``, every file index too; see :meth:`Checkpointer.read_manifest`)."""
+    return default_checkpointer().read_manifest(path, storage_options, indexes=indexes)
 
 
 __all__ = ["CHECKSUM_BLOCK", "Checkpointer", "LoadInfo", "SaveFuture", "SaveInfo", "async_save", "delete",

@@ -243,14 +243,22 @@ class Checkpointer:
         return Comm(cached[1], base.rank, base.world)
 
     # -- loading ------------------------------------------------------------------------
-    def read_manifest(self, path: PathLike, storage_options: dict[str, Any] | None = None) -> Manifest:
-        """Parse and verify the manifest of the committed checkpoint at ``path``."""
+    def read_manifest(self, path: PathLike, storage_options: dict[str, Any] | None = None, *,
+                      indexes: bool = True) -> Manifest:
+        """Parse and verify the manifest of the committed checkpoint at ``path``; with
+        ``indexes`` (the default) also every file's index (format 3), so that the returned
+        manifest answers every question once the checkpoint is closed. ``indexes=False``
+        reads the manifest alone (its tree, tensors, files; O(tensors + files)): what every
+        rank of a big job can afford."""
         backend, location = self.locate(path, storage_options)
         opened = read_manifest_phase(backend, location)
         try:
-            opened.manifest.load_all_indexes()  # so the manifest stands alone once the folder is closed
+            if indexes:
+                opened.manifest.load_all_indexes()
         finally:
             opened.close()
+        if not indexes:
+            opened.manifest.index_source = None
         return opened.manifest
 
     def load(self, state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, verify: bool = True,

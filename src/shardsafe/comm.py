@@ -31,14 +31,6 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
-        if not self.distributed:
-            return [obj]
-        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
-        return out
-
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         if not self.distributed:

@@ -333,8 +333,9 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
 
 
 def _group_ranks(comm: Comm) -> dict[int, int] | None:
-    """Global rank -> rank in the saving group (None without a process group)."""
-    if not comm.distributed:
+    """Global rank -> rank in the saving group (None without a process group; a group of
+    one rank still maps: its rank 0 may be any global rank)."""
+    if comm.group is None:
         return None
     import torch.distributed as dist
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -128,7 +129,9 @@ class FileIndex:
 
         body, spans = _parse_json(data, where, "file index")
         try:
-            if body.get("format") != INDEX_FORMAT or body.get("version", [None])[0] != INDEX_VERSION[0]:
+            version = body.get("version")
+            if body.get("format") != INDEX_FORMAT or not (type(version) is list and len(version) == 2 and all(
+                    type(v) is int for v in version) and version[0] == INDEX_VERSION[0]):
                 raise CorruptCheckpointError(f"not a format-{INDEX_VERSION[0]} shardsafe file index")
             if body.get("rank") != rank:
                 raise CorruptCheckpointError(f"index of rank {_show(body.get('rank'))}, the manifest says {rank}")
@@ -149,7 +152,8 @@ class FileIndex:
                     raise CorruptCheckpointError(f"rank-local tensor '{key}' is not a dtype, shape and kind")
                 dtype, shape = t["dtype"], t["shape"]
                 size = name_itemsize(dtype) if isinstance(dtype, str) else None
-                if not (size and type(shape) is list and all(_count(d) and d < (1 << 62) for d in shape)):
+                if not (size and type(shape) is list and all(_count(d) and d < (1 << 62) for d in shape)
+                        and prod(shape) * size < (1 << 62)):
                     raise CorruptCheckpointError(f"rank-local tensor '{key}': bad dtype {_show(dtype)} or shape")
                 local[key] = (dtype, tuple(shape))
                 shapes.append(tuple(shape))
@@ -179,14 +183,17 @@ class FileIndex:
             table.file_ranks = {file: rank}  # type: ignore[assignment]
             table.chunks(0, 0)
             index = FileIndex(file, rank, header_bytes, header_x, table, ords, local, rank_local)
-            seen = set()
-            for r, t in enumerate(ords):
-                a, b = int(table.dims[r]), int(table.dims[r + 1])
-                key = (t, tuple(table.offsets[a:b].tolist()))
-                if key in seen:
-                    raise CorruptCheckpointError(f"chunk {r}: tensor {t} has two chunks at {list(key[1])}")
-                seen.add(key)
-            if spans.counted:
+            offsets = table.offsets.tolist()
+            dims = table.dims.tolist()
+            previous: tuple[int, list[int]] | None = None
+            for r, t in enumerate(ords):  # sorted by (ordinal, offsets), no two rows at one place
+                here = (t, offsets[dims[r]: dims[r + 1]])
+                if previous is not None and here <= previous:
+                    raise CorruptCheckpointError(f"chunk {r}: rows are not sorted by tensor and offsets, or tensor {t} "
+                                                 f"has two chunks at {here[1]}")
+                previous = here
+            members = len(local_json) + sum(len(t) for t in local_json.values())
+            if members != spans.counted.get("tensors", members):  # fewer parsed than written: a duplicate key
                 dup = _duplicate(data[:-1] if data.endswith(b"}") else data, spans)
                 if dup:
                     raise CorruptCheckpointError(dup)

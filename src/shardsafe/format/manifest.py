@@ -45,6 +45,11 @@ MAX_CHECKSUM_BLOCK = 1 << 26
 shardsafe writes 1 MiB): a partial read never hashes more than that beyond what it needs,
 and tools may allocate one block."""
 MAX_FILE_NAME_BYTES = 255
+MAX_WORLD = 1 << 20
+"""Largest ``world_size`` of a format-3 manifest (tools list per-rank values by rank)."""
+BOXES_PER_INDEX_BYTE = 16
+"""Format 3: the rules' chunks (bounded without cutting) may not exceed this many per byte
+of all file indexes together."""
 MAX_CREATED = 1 << 35
 """``created`` lies in ``[0, 2^35)`` seconds (before the year 3058), so every tool can show it."""
 
@@ -339,12 +344,9 @@ class Manifest:
                 raise CorruptCheckpointError(f"{self.files[index.file].index_name}: rank-local tensor '{key}' is "
                                              "listed twice")
             rows = index.rows_of(base + i)
-            chunks = [self._chunk(index, r) for r in rows]
+            chunks = [index.chunk(r) for r in rows]
             self.tensors[key] = TensorEntry(dtype, shape, "rank_local", chunks)
             self._local_keys[(index.file, base + i)] = key
-
-    def _chunk(self, index: FileIndex, row: int) -> Chunk:
-        return index.chunk(row)
 
     def resolve(self, ordinal: int, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> list[Chunk]:
         """The chunks of manifest tensor ``ordinal`` at the given (offsets, lengths, file),
@@ -370,7 +372,7 @@ class Manifest:
         chunks are built; for format 3, the file's index lists them."""
         if self.indexed:
             fi = self.index(index)
-            return [(self._keys[t] if t < len(self._keys) else self._local_keys[(index, t)], self._chunk(fi, r))
+            return [(self._keys[t] if t < len(self._keys) else self._local_keys[(index, t)], fi.chunk(r))
                     for r, t in enumerate(fi.ordinals)]
         tables = {id(e._table): e._table for e in self.tensors.values() if e._chunks is None and e._table is not None}
         if len(tables) == 1 and all(e._chunks is None for e in self.tensors.values()):
@@ -464,7 +466,7 @@ class Manifest:
 
     @staticmethod
     def from_bytes(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
-        """Parse and verify a manifest (format 1.x or 2.x); errors name ``where``."""
+        """Parse and verify a manifest (format 1.x, 2.x or 3.x); errors name ``where``."""
         with gc_paused():
             return Manifest._from_bytes(data, where)
 
@@ -695,13 +697,19 @@ def _parse_v3(body: dict[str, Any], spans: Any, head: bytes, version: tuple[int,
             meshes.append(Mesh.from_json(m, world_size))
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"inconsistent manifest: mesh {i}: {exc}") from None
+    if world_size > MAX_WORLD:
+        raise CorruptCheckpointError(f"inconsistent manifest: world_size {world_size} is above {MAX_WORLD}")
     files, file_id = _files_v3(body["files"], world_size)
     rank_local = body["rank_local"]
     if not (type(rank_local) is list and all(type(k) is str for k in rank_local)
             and len(set(rank_local)) == len(rank_local)):
         raise CorruptCheckpointError("inconsistent manifest: rank_local is not a list of distinct keys")
     tensors_json = body["tensors"]
-    tensors, members = _tensors_v3(tensors_json, body["chunks"], meshes, len(files))
+    # Rules are refused before anything is cut when they claim more boxes than the indexes
+    # could list (a row takes dozens of bytes; the bound overcounts strided layouts by at
+    # most their split factor).
+    box_budget = BOXES_PER_INDEX_BYTE * max(1, sum(f.index_bytes for f in files))
+    tensors, members = _tensors_v3(tensors_json, body["chunks"], meshes, len(files), world_size, box_budget)
     if members != spans.counted.get("tensors"):
         duplicate = _duplicate(head, spans)
         if duplicate:
@@ -742,8 +750,8 @@ def _hex_lower(s: str) -> bool:
         return False
 
 
-def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles: int
-                ) -> tuple[dict[str, TensorEntry], int]:
+def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles: int, world: int,
+                box_budget: int) -> tuple[dict[str, TensorEntry], int]:
     """Tensor entries: by rule, or by explicit boxes (rows of the geometry table), and the
     object members of ``tensors_json`` (fewer than its raw text holds: a duplicate key)."""
     from .dtypes import name_itemsize
@@ -791,11 +799,14 @@ def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles:
                 raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': a rule needs a shape of "
                                              "non-zero dims")
             try:
-                parsed = tuple(parse_placement(p, len(shape_t)) for p in placements)
+                parsed = tuple(parse_placement(p, len(shape_t), world) for p in placements)
                 rule_key = (shape_t, m, parsed, salt)
                 rule_obj = rules.get(rule_key)  # one Rule per geometry: its boxes are computed once
                 if rule_obj is None:
                     rule_obj = rules[rule_key] = Rule(shape_t, meshes[m], parsed, salt)
+                    box_budget -= rule_obj.count_bound()
+                    if box_budget < 0:
+                        raise CorruptCheckpointError("its rules claim more chunks than the file indexes can list")
                 out[key] = TensorEntry.by_rule(dtype, shape_t, kind, rule_obj)
             except CorruptCheckpointError as exc:
                 raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': {exc}") from None

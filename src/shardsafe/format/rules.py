@@ -22,8 +22,6 @@ from itertools import product
 from math import prod
 from typing import Any
 
-import numpy as np
-
 from ..errors import CorruptCheckpointError
 
 Placement = tuple  # ("S", d) | ("SS", d, split_factor) | ("R",)
@@ -58,16 +56,17 @@ class Mesh:
         return Mesh(tuple(shape), tuple(ranks), None if names is None else tuple(names))
 
 
-def parse_placement(p: Any, ndim: int) -> Placement:
-    """A validated JSON placement as a tuple."""
+def parse_placement(p: Any, ndim: int, max_factor: int = 1 << 31) -> Placement:
+    """A validated JSON placement as a tuple (a strided shard's factor at most ``max_factor``)."""
     if type(p) is list and p == ["R"]:
         return ("R",)
     if type(p) is list and len(p) == 2 and p[0] == "S" and type(p[1]) is int and 0 <= p[1] < ndim:
         return ("S", p[1])
     if type(p) is list and len(p) == 3 and p[0] == "SS" and type(p[1]) is int and 0 <= p[1] < ndim and \
-            type(p[2]) is int and 1 <= p[2] < (1 << 31):
+            type(p[2]) is int and 1 <= p[2] <= max_factor:
         return ("SS", p[1], p[2])
-    raise CorruptCheckpointError(f"placement {str(p)[:40]} is not [\"R\"], [\"S\", dim] or [\"SS\", dim, factor]")
+    raise CorruptCheckpointError(f"placement {str(p)[:40]} is not [\"R\"], [\"S\", dim] or [\"SS\", dim, factor] "
+                                 f"(factor 1 to {max_factor})")
 
 
 def _chunks(n: int, k: int) -> list[tuple[int, int]]:
@@ -89,38 +88,58 @@ class DimPartition:
     index_of_start: dict[int, int] = field(compare=False)
 
 
+Runs = list[tuple[int, int]]  # (start, length) runs of positions, in sequence order
+
+
+def _take(runs: Runs, a: int, b: int) -> Runs:
+    """Positions ``a .. b-1`` of the sequence ``runs`` (as runs)."""
+    out: Runs = []
+    pos = 0
+    for start, n in runs:
+        lo, hi = max(a, pos), min(b, pos + n)
+        if lo < hi:
+            out.append((start + lo - pos, hi - lo))
+        pos += n
+        if pos >= b:
+            break
+    return out
+
+
+def partition_bound(levels: tuple[tuple[int, Placement], ...]) -> int:
+    """An upper bound of the intervals :func:`dim_partition` makes (the pieces it cuts)."""
+    bound = 1
+    for k, p in levels:
+        bound *= k * (p[2] if p[0] == "SS" else 1)
+    return bound
+
+
 @lru_cache(maxsize=1024)
 def dim_partition(n: int, levels: tuple[tuple[int, Placement], ...]) -> DimPartition:
     """The partition of a dim of ``n`` items by ``levels`` (mesh size, placement), applied
-    left to right as torch does."""
-    if not levels:
-        return DimPartition([0], [n], [0], {0: 0})
-    if len(levels) == 1 and levels[0][1][0] == "S":
-        parts = [(s, ln, c) for c, (s, ln) in enumerate(_chunks(n, levels[0][0])) if ln]
-    else:
-        groups: list[tuple[int, np.ndarray]] = [(0, np.arange(n, dtype=np.int64))]
-        for k, p in levels:
-            nxt: list[tuple[int, np.ndarray]] = []
-            for label, pos in groups:
-                if p[0] == "S":
-                    pieces = [pos[s: s + ln] for s, ln in _chunks(len(pos), k)]
-                else:  # strided: split_factor parts, each into k; coordinate c takes piece c of each part
-                    parts_ = [pos[s: s + ln] for s, ln in _chunks(len(pos), p[2])]
-                    cut = [[part[s: s + ln] for s, ln in _chunks(len(part), k)] for part in parts_]
-                    pieces = [np.concatenate([c[i] for c in cut]) if cut else pos[:0] for i in range(k)]
-                nxt.extend((label * k + c, piece) for c, piece in enumerate(pieces))
-            groups = nxt
-        owner = np.empty(n, dtype=np.int64)
-        for label, pos in groups:
-            owner[pos] = label
-        if n == 0:
-            return DimPartition([], [], [], {})
-        cuts = np.flatnonzero(np.diff(owner)) + 1
-        starts = np.concatenate(([0], cuts))
-        ends = np.concatenate((cuts, [n]))
-        parts = list(zip(starts.tolist(), (ends - starts).tolist(), owner[starts].tolist()))
-    return DimPartition([s for s, _, _ in parts], [ln for _, ln, _ in parts], [c for _, _, c in parts],
-                        {s: i for i, (s, _, _) in enumerate(parts)})
+    left to right as torch does. Works on runs of positions, never on the positions
+    themselves: the cost grows with the pieces cut (:func:`partition_bound`), not with ``n``."""
+    groups: list[tuple[int, Runs]] = [(0, [(0, n)] if n else [])]
+    for k, p in levels:
+        nxt: list[tuple[int, Runs]] = []
+        for label, runs in groups:
+            size = sum(ln for _, ln in runs)
+            if p[0] == "S":
+                pieces = [_take(runs, s, s + ln) for s, ln in _chunks(size, k)]
+            else:  # strided: split_factor parts, each into k; coordinate c takes piece c of each part
+                parts = [_take(runs, s, s + ln) for s, ln in _chunks(size, p[2])]
+                cut = [[_take(part, s, s + ln) for s, ln in _chunks(sum(x for _, x in part), k)] for part in parts]
+                pieces = [[r for c in cut for r in c[i]] for i in range(k)]
+            nxt.extend((label * k + c, piece) for c, piece in enumerate(pieces))
+        groups = nxt
+    owned = sorted((start, ln, label) for label, runs in groups for start, ln in runs if ln)
+    parts_: list[list[int]] = []
+    for start, ln, label in owned:  # adjacent runs of one owner are one interval
+        if parts_ and parts_[-1][2] == label and parts_[-1][0] + parts_[-1][1] == start:
+            parts_[-1][1] += ln
+        else:
+            parts_.append([start, ln, label])
+    return DimPartition([s for s, _, _ in parts_], [ln for _, ln, _ in parts_], [c for _, _, c in parts_],
+                        {s: i for i, (s, _, _) in enumerate(parts_)})
 
 
 class Rule:
@@ -154,11 +173,18 @@ class Rule:
     def to_json(self, mesh_index: int) -> dict[str, Any]:
         return {"mesh": mesh_index, "placements": [list(p) for p in self.placements], "salt": self.salt}
 
+    def levels(self) -> list[tuple[tuple[int, Placement], ...]]:
+        """Per tensor dim, the (mesh size, placement) of the mesh dims that shard it."""
+        return [tuple((self.mesh.shape[i], self.placements[i]) for i in mesh_dims) for mesh_dims in self._shard_dims_of]
+
+    def count_bound(self) -> int:
+        """An upper bound of :meth:`count`, computed without cutting anything."""
+        return prod(partition_bound(lv) for lv in self.levels())
+
     def dims(self) -> list[DimPartition]:
         """The partition of every tensor dim."""
         if self._dims is None:
-            self._dims = [dim_partition(n, tuple((self.mesh.shape[i], self.placements[i]) for i in mesh_dims))
-                          for n, mesh_dims in zip(self.shape, self._shard_dims_of)]
+            self._dims = [dim_partition(n, lv) for n, lv in zip(self.shape, self.levels())]
         return self._dims
 
     def count(self) -> int:

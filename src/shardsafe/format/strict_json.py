@@ -26,10 +26,11 @@ at most MAX_DEPTH levels; the ``tree`` itself is held to MAX_DEPTH)."""
 # name or a safetensors header), and no member nested deeper than MAX_MEMBER_DEPTH. The
 # top level and the chunk table are read member by member; most values go through a
 # decoder whose hook refuses duplicate keys. ``tensors`` (100k+ small objects in a big
-# checkpoint) and ``files`` go through the plain (hook-free, faster) decoder instead: the
-# members in their raw text are counted (every ':' outside strings starts one) and compared
-# with the members parsed, and only a difference costs a strict re-parse. The chunk
-# table's columns are flat lists and a string, validated as such, and are not scanned.
+# checkpoint) and a 2.x ``files`` list go through the plain (hook-free, faster) decoder
+# instead: the members in their raw text are counted (every ':' outside strings starts one)
+# and compared with the members parsed, and only a difference costs a strict re-parse. The
+# chunk table's columns (and a 3.x ``files`` table's, and a file index's) are flat lists
+# and strings, validated as such, and are not scanned.
 
 
 class _Refused(ValueError):

@@ -358,7 +358,7 @@ class ShardsafeModelParallelStrategy(ModelParallelStrategy):
         set_model_state_dict(self.model, model_sd, options=StateDictOptions(strict=strict))
         for opt, osd in zip(self.optimizers, state.get(_OPTIMIZERS, [])):
             set_optimizer_state_dict(self.model, opt, optim_state_dict=_decode(osd, lambda t: t, True))
-        saved = io.checkpointer.read_manifest(path).tree
+        saved = io.checkpointer.read_manifest(path, indexes=False).tree
         rest = [k for k in saved if k not in (_MODEL, _OPTIMIZERS)] if isinstance(saved, dict) else []
         return from_storable(io.checkpointer.load_full(path, rest, verify=io.verify) if rest else {})
 

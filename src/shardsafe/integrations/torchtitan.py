@@ -240,7 +240,7 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
         model when ``model_only``, else all of ``states`` minus ``exclude_from_loading``. A
         model-only checkpoint (a ``last_save_model_only`` export) cannot resume a full
         state: CheckpointError naming it, never a partial load."""
-        keys = set(shardsafe.read_manifest(path).tree)
+        keys = set(shardsafe.read_manifest(path, indexes=False).tree)
         model_key = HF_MODEL if HF_MODEL in keys else MODEL
         if not model_only and OPTIMIZER not in keys:
             raise CheckpointError(

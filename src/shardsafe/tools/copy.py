@@ -76,18 +76,16 @@ def copy_checkpoint(src: PathLike, dst: PathLike, *, overwrite: bool = False, wi
             backend, location = cp.locate(dst)
             target = begin_save(backend, location, overwrite)
             try:
-                files: list[FileEntry] = []
+                files: list[FileEntry] = []  # format 2: new names; format 3 derives them from the save id
                 for index, entry in enumerate(manifest.files):
                     name = data_file_name(entry.rank, len([f for f in files if f.rank == entry.rank]), target.suffix)
                     total += _copy_file(reader, index, target.staging, name, block, window)
                     if manifest.indexed:  # the index, verified against the manifest when read, byte for byte
                         target.staging.write_bytes(index_name(name), manifest.index(index).raw)
                     files.append(FileEntry(name, entry.nbytes, entry.rank, entry.header_bytes, entry.header_checksum))
-                if manifest.indexed:
-                    out = manifest.with_file_id(target.suffix)
-                else:
-                    out = Manifest(manifest.tree, manifest.tensors, files, manifest.world_size, manifest.rank_local,
-                                   manifest.created, manifest.writer, manifest.extra)
+                out = manifest.with_file_id(target.suffix) if manifest.indexed else \
+                    Manifest(manifest.tree, manifest.tensors, files, manifest.world_size, manifest.rank_local,
+                             manifest.created, manifest.writer, manifest.extra)
                 target.commit(out.to_bytes(), overwrite)
             except BaseException:
                 target.abort()
