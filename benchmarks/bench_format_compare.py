@@ -61,10 +61,13 @@ def main() -> None:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO, capture_output=True)
     med = {label: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for label, rows in got.items()}
-    print(f"\nFSDP2 world 4 ({'full' if args.full else 'quick'} model), median of {args.rounds} alternating rounds:")
+    print(f"\nFSDP2 world 4 ({'full' if args.full else 'quick'} model), median of {args.rounds} alternating rounds "
+          "(3.0 runs first in the odd rounds, 2.0 in the even ones: use an even count):")
     for op in ("save", "load"):
         new, old = med["3.0"][f"{op}_ss"], med["2.0"][f"{op}_ss"]
-        print(f"  {op}: format 3.0 {new:.3f} s, format 2.0 {old:.3f} s, ratio {new / old:.3f} "
+        ratios = [a[f"{op}_ss"] / b[f"{op}_ss"] for a, b in zip(got["3.0"], got["2.0"])]
+        print(f"  {op}: format 3.0 {new:.3f} s, format 2.0 {old:.3f} s, ratio {new / old:.3f}; per round "
+              f"{', '.join(f'{r:.2f}' for r in ratios)} "
               f"(DCP in the same runs: {med['3.0'][f'{op}_dcp']:.3f} s / {med['2.0'][f'{op}_dcp']:.3f} s)")
 
 
