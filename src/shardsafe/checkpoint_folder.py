@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
-from .format.file_index import data_name, index_name
+from .format.file_index import DATA_SUFFIX, INDEX_SUFFIX, data_name, index_name
 from .format.manifest import MANIFEST_NAME
 from .storage.base import Backend, Folder, Lock
 
@@ -163,13 +163,11 @@ def clean_leftovers(parent: Folder, name: str) -> list[str]:
     return done
 
 
-DATA_EXT = ".safetensors"
-INDEX_EXT = ".index.json"
 
 
 def _is_data(name: str, suffix: str = "") -> bool:
     """A data file or a data file's index (of the save with id ``suffix``, when given)."""
-    return name.startswith("data-") and (name.endswith(suffix + DATA_EXT) or name.endswith(suffix + INDEX_EXT))
+    return name.startswith("data-") and (name.endswith(suffix + DATA_SUFFIX) or name.endswith(suffix + INDEX_SUFFIX))
 
 
 def _manifest_files(folder: Folder) -> set[str]:

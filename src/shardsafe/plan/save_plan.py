@@ -28,6 +28,7 @@ from math import ceil, prod
 from typing import NamedTuple
 
 from ..errors import CheckpointError
+from ..format.file_index import DATA_SUFFIX
 from ..format.rules import Mesh, Rule, parse_placement
 from ..gcpause import gc_paused
 from ..layout import Box, boxes_disjoint, split_rows
@@ -181,7 +182,7 @@ def data_file_name(rank: int, index: int = 0, save_id: str = "") -> str:
     """Data file names: ``data-r<rank>-<index>.safetensors``, zero padded; with a save id
     (saves on backends without renames, whose files sit beside the previous checkpoint's
     until the commit): ``data-r<rank>-<index><save_id>.safetensors``."""
-    return f"data-r{rank:05d}-{index:02d}{save_id}.safetensors"
+    return f"data-r{rank:05d}-{index:02d}{save_id}{DATA_SUFFIX}"
 
 
 def layout_digest(layouts: list[list[tuple]]) -> str:
