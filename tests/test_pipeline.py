@@ -74,7 +74,7 @@ LAYERS = [
     {"engine"},
     {"state", "data"},
     {"comm"},
-    {"saving", "loading", "checkpointer", "api", "hf_folder"},
+    {"saving", "loading", "incremental", "checkpointer", "api", "hf_folder"},
     {"manager"},
     {"tools"},
     {"integrations"},

@@ -33,7 +33,8 @@ def default_checkpointer() -> Checkpointer:
 
 
 def save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False, process_group: Any = None,
-         check_replicas: bool | None = None, storage_options: dict[str, Any] | None = None) -> SaveInfo:
+         check_replicas: bool | None = None, storage_options: dict[str, Any] | None = None,
+         base: PathLike | None = None, version_skip: bool = False) -> SaveInfo:
     """Save ``state_dict`` as a checkpoint folder at ``path``, crash-safely.
 
     With a process group (default: the world group when initialized) every rank calls
@@ -46,24 +47,38 @@ def save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
     Replicated tensors are written from one rank. ``check_replicas=True`` first compares
     every rank's copy (a digest each) and refuses the save, naming the key and ranks, when
     they differ (default: the SHARDSAFE_CHECK_REPLICAS environment variable; it costs one
-    hash pass over the replicated bytes)."""
+    hash pass over the replicated bytes).
+
+    ``base``: an incremental save. ``base`` is another checkpoint in the same folder as
+    ``path``; every chunk whose bytes equal the base's (same key, box and dtype; compared
+    by a 128-bit digest) is not written: the new checkpoint refers to the file that holds
+    it (never to a reference), and loads verify those bytes like their own. The new
+    checkpoint then needs the files it refers to: delete checkpoints through a
+    :class:`CheckpointManager` (it keeps referenced files) or make a self-contained copy
+    with ``shardsafe copy``. ``version_skip=True`` (with ``base``) trusts tensors' ``_version``
+    counters: a chunk whose source tensor kept its storage and counter since this
+    Checkpointer's last save is not hashed again (unsafe if tensors are changed through
+    ``.data``, numpy or DLPack views, or by code that bypasses torch's version counter)."""
     return default_checkpointer().save(state_dict, path, overwrite=overwrite, process_group=process_group,
-                                       check_replicas=check_replicas, storage_options=storage_options)
+                                       check_replicas=check_replicas, storage_options=storage_options, base=base,
+                                       version_skip=version_skip)
 
 
 def async_save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False, process_group: Any = None,
                max_staging_bytes: int | None = None, check_replicas: bool | None = None,
-               storage_options: dict[str, Any] | None = None) -> SaveFuture:
+               storage_options: dict[str, Any] | None = None, base: PathLike | None = None,
+               version_skip: bool = False) -> SaveFuture:
     """Save like :func:`save`, but return once the state is staged in host memory; the
     write and commit run in the background. All ranks call it.
 
     ``max_staging_bytes`` bounds the staging slots (default: this rank's share of the
     state); a larger state streams through them and the call waits longer. Slots are
     kept for later saves. At most one async save per Checkpointer is in flight: a new one
-    first waits for the previous one, and raises its error if it failed unobserved."""
+    first waits for the previous one, and raises its error if it failed unobserved.
+    ``base`` and ``version_skip``: as for :func:`save` (decided while staging)."""
     return default_checkpointer().async_save(state_dict, path, overwrite=overwrite, process_group=process_group,
                                              max_staging_bytes=max_staging_bytes, check_replicas=check_replicas,
-                                             storage_options=storage_options)
+                                             storage_options=storage_options, base=base, version_skip=version_skip)
 
 
 def wait_for_pending() -> SaveInfo | None:

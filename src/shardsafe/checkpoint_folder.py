@@ -132,6 +132,61 @@ def delete_checkpoint(parent: Folder, name: str) -> None:
         parent.sync()
 
 
+RETIRED_NAME = "retired.json"
+"""In a *retired* checkpoint (no manifest: not a checkpoint any more), the data files that
+kept incremental checkpoints still refer to, as ``{"format": "shardsafe-retired", "keep": [...]}``."""
+
+
+def retired_files(parent: Folder, name: str) -> set[str] | None:
+    """The files retired checkpoint ``name`` keeps for others, or None when ``name`` is not
+    a retired checkpoint (a committed one, or none)."""
+    import json
+
+    try:
+        with parent.open_folder(name) as f:
+            if f.kind(MANIFEST_NAME) is not None:
+                return None
+            data = f.read_bytes(RETIRED_NAME, 1 << 26)
+    except CheckpointError:
+        return None
+    try:
+        keep = json.loads(data).get("keep", [])
+        return {n for n in keep if isinstance(n, str)}
+    except (ValueError, AttributeError):
+        return set()
+
+
+def retire_checkpoint(parent: Folder, name: str, keep: set[str]) -> None:
+    """Take checkpoint ``name`` out of sight but keep the data files ``keep`` that other
+    checkpoints refer to: the list is written first, then the manifest removed (from then on
+    ``name`` is no checkpoint), then every other file. A crash at any point leaves the kept
+    files and every other checkpoint intact; :func:`prune_retired` finishes the job."""
+    import json
+
+    with parent.open_folder(name) as f:
+        f.write_bytes(RETIRED_NAME, json.dumps({"format": "shardsafe-retired", "keep": sorted(keep)}).encode())
+        with contextlib.suppress(CheckpointNotFoundError):
+            f.remove(MANIFEST_NAME)
+    prune_retired(parent, name, keep)
+
+
+def prune_retired(parent: Folder, name: str, keep: set[str]) -> None:
+    """Delete the files of retired checkpoint ``name`` outside ``keep``; the whole folder
+    once nothing in it is referred to."""
+    if not keep:
+        parent.remove_tree(name)
+        return
+    import json
+
+    with parent.open_folder(name) as f:
+        if retired_files(parent, name) != keep:
+            f.write_bytes(RETIRED_NAME, json.dumps({"format": "shardsafe-retired", "keep": sorted(keep)}).encode())
+        for n in f.names():
+            if n not in keep and n != RETIRED_NAME:
+                with contextlib.suppress(CheckpointNotFoundError):
+                    f.remove(n)
+
+
 def clean_leftovers(parent: Folder, name: str) -> list[str]:
     """Repair and clean what interrupted saves and deletions left next to ``name``:
     a parked checkpoint whose replacement never arrived is renamed back to ``name``;
@@ -167,7 +222,8 @@ def clean_leftovers(parent: Folder, name: str) -> list[str]:
 
 def _is_data(name: str, suffix: str = "") -> bool:
     """A data file or a data file's index (of the save with id ``suffix``, when given)."""
-    return name.startswith("data-") and (name.endswith(suffix + DATA_SUFFIX) or name.endswith(suffix + INDEX_SUFFIX))
+    return (name.startswith("data-") or name.startswith("ref-")) and (
+        name.endswith(suffix + DATA_SUFFIX) or name.endswith(suffix + INDEX_SUFFIX))
 
 
 def _manifest_files(folder: Folder) -> set[str]:
@@ -175,11 +231,18 @@ def _manifest_files(folder: Folder) -> set[str]:
     import json
 
     try:
+        if folder.kind(MANIFEST_NAME) is None and folder.kind(RETIRED_NAME) is not None:
+            kept = json.loads(folder.read_bytes(RETIRED_NAME, 1 << 26)).get("keep", [])
+            return {n for n in kept if isinstance(n, str)}
         data = folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-        files = json.loads(data[: data.rfind(b', "manifest_xxh3_64"')] + b"}").get("files", [])
+        body = json.loads(data[: data.rfind(b', "manifest_xxh3_64"')] + b"}")
+        files = body.get("files", [])
         if isinstance(files, dict):  # format 3: names follow from ranks and the save id; each has an index
             names = [data_name(r, files.get("id", "")) for r in files.get("rank", []) if isinstance(r, int)]
-            return set(names) | {index_name(n) for n in names}
+            refs = body.get("refs") or {}
+            own = [n for c, n in zip(refs.get("c", []), refs.get("name", []))
+                   if isinstance(n, str) and isinstance(c, int) and refs.get("checkpoints", [None] * (c + 1))[c] == ""]
+            return set(names) | {index_name(n) for n in names} | set(own)
         return {f["name"] for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)}
     except (CheckpointError, ValueError, TypeError, AttributeError):
         return set()

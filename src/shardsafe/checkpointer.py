@@ -29,6 +29,7 @@ from .engine.reader import OpenFiles, Reader
 from .engine.writer import FileWriter
 from .errors import CheckpointChangedError, CheckpointError
 from .format.manifest import Manifest
+from .incremental import VersionMemo
 from .layout import Box
 from .loading import (
     DEFAULT_MAX_BUFFER,
@@ -43,7 +44,17 @@ from .loading import (
     read_manifest_phase,
 )
 from .plan.share_plan import Shared, plan_sharing
-from .saving import CHECKSUM_BLOCK, FileResult, PlanCache, PreparedSave, SaveInfo, file_result, finish, prepare
+from .saving import (
+    CHECKSUM_BLOCK,
+    FileResult,
+    PlanCache,
+    PreparedSave,
+    SaveInfo,
+    file_result,
+    finish,
+    prepare,
+    remember,
+)
 from .state.context import active_group
 from .state.match import Fill, Matcher
 from .state.saved import check_tree, select
@@ -126,6 +137,7 @@ class Checkpointer:
         self.fetch_threads = max(self.read_threads, 8)  # requests at once on remote backends (I/O bound)
         self.pin_memory = pin_memory
         self.plans = PlanCache(plan_cache_size)
+        self.memo = VersionMemo()  # chunk digests of the last saves (used with version_skip=True)
         self.pending: SaveFuture | None = None
         self._groups: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, its dedicated gloo group)
         self._closed = False
@@ -152,13 +164,17 @@ class Checkpointer:
     # -- saving -------------------------------------------------------------------------
     def save(self, state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
              process_group: Any = None, check_replicas: bool | None = None,
-             storage_options: dict[str, Any] | None = None) -> SaveInfo:
+             storage_options: dict[str, Any] | None = None, base: PathLike | None = None,
+             version_skip: bool = False) -> SaveInfo:
         """Save ``state_dict`` at ``path`` crash-safely; see :func:`shardsafe.save`."""
         self._check_open()
         comm = resolve(process_group)
         backend, location = self.locate(path, storage_options)
+        base_location = self._base(backend, base, storage_options)
+        memo = self.memo if version_skip else None
         with active_group(comm.group, comm.rank, comm.world):
-            prep = prepare(state_dict, backend, location, overwrite, comm, self.plans, _check(check_replicas))
+            prep = prepare(state_dict, backend, location, overwrite, comm, self.plans, _check(check_replicas),
+                           base_location, memo)
         results: list[FileResult] = []
         error: BaseException | None = None
         try:
@@ -178,18 +194,34 @@ class Checkpointer:
                 results = [file_result(prep, writer.finish(help_write=True))]
         except Exception as exc:  # noqa: BLE001 - reported to every rank by finish()
             error = exc
-        return finish(prep, results, error)
+        info = finish(prep, results, error)
+        if memo is not None:
+            remember(prep, memo)
+        return info
+
+    def _base(self, backend: Backend, base: PathLike | None, storage_options: dict[str, Any] | None) -> str | None:
+        """The location of an incremental save's base (on the same backend as the save)."""
+        if base is None:
+            return None
+        base_backend, location = self.locate(base, storage_options)
+        if base_backend is not backend:
+            raise CheckpointError(f"base checkpoint {base} is on another storage than the new checkpoint")
+        return location
 
     def async_save(self, state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
                    process_group: Any = None, max_staging_bytes: int | None = None,
-                   check_replicas: bool | None = None, storage_options: dict[str, Any] | None = None) -> SaveFuture:
+                   check_replicas: bool | None = None, storage_options: dict[str, Any] | None = None,
+                   base: PathLike | None = None, version_skip: bool = False) -> SaveFuture:
         """Stage ``state_dict`` and write it in the background; see :func:`shardsafe.async_save`."""
         self._check_open()
         self.wait()
         comm = self._async_comm(process_group)
         backend, location = self.locate(path, storage_options)
+        base_location = self._base(backend, base, storage_options)
+        memo = self.memo if version_skip else None
         with active_group(resolve(process_group).group, comm.rank, comm.world):
-            prep = prepare(state_dict, backend, location, overwrite, comm, self.plans, _check(check_replicas))
+            prep = prepare(state_dict, backend, location, overwrite, comm, self.plans, _check(check_replicas),
+                           base_location, memo)
         future = SaveFuture(location)
         t0 = time.perf_counter()
         writer: FileWriter | None = None
@@ -211,7 +243,7 @@ class Checkpointer:
                 writer = None
         future.stage_seconds = time.perf_counter() - t0
         future._staged.set()
-        thread = threading.Thread(target=_finish_async, args=(prep, writer, stage_error, future),
+        thread = threading.Thread(target=_finish_async, args=(prep, writer, stage_error, future, memo),
                                   name="shardsafe-commit", daemon=True)
         self.pending = future
         thread.start()
@@ -313,7 +345,8 @@ class Checkpointer:
                 assert opened is not None
                 plan = plan_phase(opened.manifest, mine, verify=verify, verify_fresh_first=True,
                                   max_buffer=max_buffer)
-                files = OpenFiles(opened.folder, opened.manifest, digest=opened.digest, spill=backend.remote)
+                files = OpenFiles(opened.folder, opened.manifest, digest=opened.digest, spill=backend.remote,
+                                  siblings=opened.siblings)
                 open_files_phase(files, plan, self.fetch_threads)
                 reader = Reader(files, self.memory, self.read_threads)
                 verified = plan.verify_with(reader)
@@ -375,7 +408,8 @@ class Checkpointer:
             fills = matcher.result.fills
             max_buffer = self.memory.fits(DEFAULT_MAX_BUFFER)
             plan = plan_phase(manifest, fills, verify=verify, verify_fresh_first=False, max_buffer=max_buffer)
-            with OpenFiles(opened.folder, manifest, digest=opened.digest, spill=backend.remote) as files:
+            with OpenFiles(opened.folder, manifest, digest=opened.digest, spill=backend.remote,
+                           siblings=opened.siblings) as files:
                 open_files_phase(files, plan, self.fetch_threads)
                 reader = Reader(files, self.memory, self.read_threads)
                 plan.verify_with(reader)
@@ -486,7 +520,7 @@ def reading_fills(fills: list[Fill], shared: list[Shared], rank: int) -> list[Fi
 
 
 def _finish_async(prep: PreparedSave, writer: FileWriter | None, error: BaseException | None,
-                  future: SaveFuture) -> None:
+                  future: SaveFuture, memo: VersionMemo | None = None) -> None:
     results: list[FileResult] = []
     try:
         if writer is not None:
@@ -496,7 +530,10 @@ def _finish_async(prep: PreparedSave, writer: FileWriter | None, error: BaseExce
                     results = [file_result(prep, written)]
             except BaseException as exc:  # noqa: BLE001
                 error = error or exc
-        future._future.set_result(finish(prep, results, error))
+        info = finish(prep, results, error)
+        if memo is not None:
+            remember(prep, memo)
+        future._future.set_result(info)
     except BaseException as exc:  # noqa: BLE001
         future._future.set_exception(exc)
 

@@ -152,6 +152,17 @@ class Comm:
             return None
         return torch.stack(out).cpu().tolist()
 
+    def all_max(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of every rank's int64 ``values`` (the same count on
+        every rank), on every rank: one all-reduce, no pickle."""
+        if not self.distributed or not values:
+            return list(values)
+        import torch
+
+        buf = torch.tensor(values, dtype=torch.int64, device=self._device())
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in buf.cpu()]
+
     def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
         """Group rank ``src``'s ``data`` on every rank (two tensor broadcasts, no pickle)."""
         if not self.distributed:

@@ -62,9 +62,22 @@ class Opened:
     folder: Folder
     manifest: Manifest
     digest: int
+    siblings: Callable[[str], Folder] | None = None  # opens a referenced checkpoint's folder (format 3.1)
 
     def close(self) -> None:
         self.folder.close()
+
+
+def sibling_opener(backend: Backend, location: str) -> Callable[[str], Folder]:
+    """Opens, by name, a checkpoint in the same parent folder as ``location`` (the
+    checkpoints that an incremental checkpoint refers to)."""
+    parent_location, _ = backend.split(location)
+
+    def open_sibling(name: str) -> Folder:
+        with backend.open(parent_location) as parent:
+            return parent.open_folder(name)
+
+    return open_sibling
 
 
 def read_manifest_phase(backend: Backend, location: str) -> Opened:
@@ -77,7 +90,7 @@ def read_manifest_phase(backend: Backend, location: str) -> Opened:
         raise
     digest = int(checksum(data), 16)
     manifest.index_source = index_reader(folder, digest, backend.remote)
-    return Opened(location, folder, manifest, digest)
+    return Opened(location, folder, manifest, digest, sibling_opener(backend, location))
 
 
 INDEX_THREADS = 16  # file indexes fetched at once from a remote backend
@@ -216,7 +229,8 @@ class CheckpointReader:
         self.verify = verify
         self.max_buffer = max_buffer
         self.block = block_size(self.manifest)
-        self.files = OpenFiles(self.opened.folder, self.manifest, digest=self.opened.digest, spill=backend.remote)
+        self.files = OpenFiles(self.opened.folder, self.manifest, digest=self.opened.digest, spill=backend.remote,
+                               siblings=self.opened.siblings)
         self.reader = Reader(self.files, memory or HostMemory(), threads, progress)
         self.fetch_threads = max(threads, 8)
 

@@ -28,11 +28,21 @@ from typing import Any
 
 import torch
 
-from .checkpoint_folder import clean_killed_in_place, clean_leftovers, delete_checkpoint, is_committed, leftover_of
+from .checkpoint_folder import (
+    clean_killed_in_place,
+    clean_leftovers,
+    delete_checkpoint,
+    is_committed,
+    leftover_of,
+    prune_retired,
+    retire_checkpoint,
+    retired_files,
+)
 from .checkpointer import Checkpointer, SaveFuture
 from .comm import resolve
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
 from .hints import warn_user
+from .incremental import chain_depth
 from .steps import parse_step, step_name
 from .storage.base import Folder
 
@@ -87,6 +97,9 @@ class CheckpointConfig:
     last_save_model_only: bool = True
     export_dtype: str | None = None  # None: export in the training dtype
     load_only: bool = False
+    incremental: bool = False  # shardsafe's own: refer to unchanged chunks of the newest checkpoint
+    full_every: int = 10  # with incremental: every full_every-th save in a chain is a full checkpoint
+    version_skip: bool = False  # with incremental: trust tensors' _version counters (see shardsafe.save)
     enable_first_step_checkpoint: bool = False
     initial_load_path: str | None = None
     initial_load_model_only: bool = True
@@ -107,6 +120,8 @@ class CheckpointConfig:
             raise ValueError(f"async_mode must be one of {ASYNC_MODES}, not {self.async_mode!r}")
         if self.interval <= 0:
             raise ValueError(f"interval must be positive, not {self.interval}")
+        if self.full_every < 1:
+            raise ValueError(f"full_every must be at least 1 (1: every save is full), not {self.full_every}")
         if self.keep_last is not None and self.keep_last <= 0:
             self.keep_last = None  # torchtitan: 0 keeps everything
         if self.load_step is not None and self.load_step < 0:
@@ -168,11 +183,15 @@ class CheckpointManager:
         exclude_from_loading: list[str] | tuple[str, ...] = (),
         process_group: Any = None,
         checkpointer: Checkpointer | None = None,
+        incremental: bool = False,
+        full_every: int = 10,
+        version_skip: bool = False,
     ) -> None:
         self.config = CheckpointConfig(
             folder=str(folder), enable=enable, interval=interval, keep_last=keep_last, keep_every=keep_every,
             keep_best=keep_best, metric=metric, mode=mode, load_only=load_only, async_mode=async_mode,
-            max_staging_bytes=max_staging_bytes, exclude_from_loading=list(exclude_from_loading))
+            max_staging_bytes=max_staging_bytes, exclude_from_loading=list(exclude_from_loading),
+            incremental=incremental, full_every=full_every, version_skip=version_skip)
         self.folder: Path | str = folder if "://" in os.fspath(folder) else Path(folder)
         self.process_group = process_group
         self.checkpointer = checkpointer if checkpointer is not None else Checkpointer(
@@ -209,7 +228,8 @@ class CheckpointManager:
                   keep_best=config.keep_best, metric=config.metric, mode=config.mode, enable=config.enable,
                   load_only=config.load_only,
                   async_mode=config.async_mode, max_staging_bytes=config.max_staging_bytes,
-                  exclude_from_loading=config.exclude_from_loading, process_group=process_group)
+                  exclude_from_loading=config.exclude_from_loading, process_group=process_group,
+                  incremental=config.incremental, full_every=config.full_every, version_skip=config.version_skip)
         mgr.config = config
         return mgr
 
@@ -290,14 +310,38 @@ class CheckpointManager:
             with self._open(create=True) as f:
                 self._clean(f)
         path = self.path(step)
+        base = self._base_for(step)
+        skip = self.config.version_skip and self.config.incremental
         if not self._async:
-            self.checkpointer.save(state, path, overwrite=True, process_group=self.process_group)
+            self.checkpointer.save(state, path, overwrite=True, process_group=self.process_group, base=base,
+                                   version_skip=skip)
             self._retain(protect=step)
             return None
         self._pending_step = step
         self.last_future = self.checkpointer.async_save(state, path, overwrite=True, process_group=self.process_group,
-                                                        max_staging_bytes=self.config.max_staging_bytes)
+                                                        max_staging_bytes=self.config.max_staging_bytes, base=base,
+                                                        version_skip=skip)
         return self.last_future
+
+    def _base_for(self, step: int) -> Path | str | None:
+        """With ``incremental``: the newest committed checkpoint before ``step``, unless the
+        chain ending there already has ``full_every - 1`` incremental saves (then a full
+        save); None otherwise. Rank 0 chooses, every rank gets its choice."""
+        if not self.config.incremental:
+            return None
+        comm = resolve(self.process_group)
+        choice = -1
+        if comm.rank == 0:
+            earlier = [s for s in self.steps() if s < step]
+            if earlier and self.config.full_every > 1:
+                try:
+                    m = self.checkpointer.read_manifest(self.path(earlier[-1]), indexes=False)
+                    if chain_depth(m) + 1 < self.config.full_every:
+                        choice = earlier[-1]
+                except CheckpointError as exc:  # an unreadable newest checkpoint: save in full
+                    warn_user(f"incremental save of step {step} is a full save: {exc}")
+        choice = comm.broadcast_ints([choice] if comm.rank == 0 else None, 1)[0]
+        return None if choice < 0 else self.path(choice)
 
     def _complete_pending(self) -> None:
         """Wait for the async save in flight; on success apply retention."""
@@ -326,15 +370,41 @@ class CheckpointManager:
         keep.add(protect)
         if self._loaded_step is not None:
             keep.add(self._loaded_step)
+        try:
+            needed = self._referenced(sorted(s for s in steps if s in keep))
+        except CheckpointError as exc:  # unreadable kept manifest: delete nothing this time
+            warn_user(f"retention skipped: {exc}")
+            return
         with self._open() as f:
             for s in steps:
                 if s not in keep:
+                    name = step_name(s)
                     try:
-                        delete_checkpoint(f, step_name(s))
+                        if needed.get(name):
+                            retire_checkpoint(f, name, needed[name])
+                        else:
+                            delete_checkpoint(f, name)
                     except CheckpointError as exc:  # retention must not fail training: the next one retries
                         warn_user(f"retention could not delete {self.path(s)}: {exc}")
                         continue
                     self._metrics.pop(s, None)
+            for name in f.names():
+                if parse_step(name) is None or parse_step(name) in steps:
+                    continue
+                kept = retired_files(f, name)
+                if kept is not None and kept != needed.get(name, set()):
+                    with contextlib.suppress(CheckpointError):
+                        prune_retired(f, name, needed.get(name, set()))
+
+    def _referenced(self, steps: list[int]) -> dict[str, set[str]]:
+        """Checkpoint name -> the data files in it that the checkpoints of ``steps`` refer to."""
+        out: dict[str, set[str]] = {}
+        for s in steps:
+            m = self.checkpointer.read_manifest(self.path(s), indexes=False)
+            for r in m.refs:
+                if r.checkpoint:
+                    out.setdefault(r.checkpoint, set()).add(r.name)
+        return out
 
     def metric(self, step: int) -> float | None:
         """The metric stored in step ``step``'s checkpoint under this manager's metric name

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +44,12 @@ from .format.checksum import checksum
 from .format.dtypes import dtype_name, safetensors_code
 from .format.file_index import IndexedChunk, build_index, index_name
 from .format.manifest import FORMAT_VERSION, FileEntry, Manifest, TensorEntry
+from .format.refs import RefFile
 from .format.rules import Mesh, placements_json
 from .hints import warn_user
+from .incremental import Base, VersionMemo, chain_depth, match, reference_rows
 from .layout import Box
+from .loading import Opened, read_manifest_phase
 from .plan.save_plan import (
     ChunkWrite,
     FileWrite,
@@ -77,6 +80,8 @@ class SaveInfo:
     seconds: float
     plan_cached: bool = False
     retries: int = 0  # storage requests retried after transient failures (this rank)
+    bytes_referred: int = 0  # incremental: bytes of this rank's chunks left where the base holds them
+    chunks_referred: int = 0
 
 
 # ----------------------------------------------------------------------------- describe
@@ -233,6 +238,11 @@ class PreparedSave:
     retries0: int = 0
     error: BaseException | None = None  # this rank could not open the temp folder: finish() reports it
     suffix: str = ""  # the save id in data file names ("" where the folder is renamed into place)
+    refs: list[RefFile] = field(default_factory=list)  # incremental: the files references point at (every rank)
+    ref_rows: list[IndexedChunk] = field(default_factory=list)  # this rank's chunks left in the base's files
+    memo_states: dict[tuple[str, Box], tuple] = field(default_factory=dict)  # version_skip: sources' states
+    digests: dict[tuple[str, Box], str] = field(default_factory=dict)  # this rank's chunk digests, once written
+    chain: dict[str, Any] | None = None  # incremental: extra.incremental (base name, depth)
 
 
 def replica_digests(described: Described) -> dict[tuple[str, Box], str]:
@@ -270,9 +280,12 @@ def check_replicas(gathered: list[dict[tuple[str, Box], str]]) -> None:
 
 
 def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: bool, comm: Comm,
-            cache: PlanCache, check: bool = False) -> PreparedSave:
+            cache: PlanCache, check: bool = False, base: str | None = None,
+            memo: VersionMemo | None = None) -> PreparedSave:
     """Phases 1 and 2 (one all_gather, a second only when trees differ): describe, agree
-    on errors, merge the value trees, plan. Raises the same error on every rank."""
+    on errors, merge the value trees, plan; with a ``base`` (a checkpoint in the same
+    folder), find the chunks it already holds (one all-reduce more). Raises the same error
+    on every rank."""
     t0 = time.perf_counter()
     retries0 = backend.retries
     parent_location, _ = backend.split(location)
@@ -280,8 +293,11 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
     described: Described | None = None
     target: SaveTarget | None = None
     tmp = ""
+    opened_base: Opened | None = None
     try:
         described = describe(state, comm.rank, _group_ranks(comm))
+        if base is not None:
+            opened_base = open_base(backend, location, base)
         if comm.rank == 0:
             target = begin_save(backend, location, overwrite)
             tmp = target.tmp + "\n" + target.suffix
@@ -298,6 +314,10 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
     gathered = comm.all_gather(mine)
     staging: Folder | None = None
     staging_error: BaseException | None = None
+    refs: list[RefFile] = []
+    ref_rows: list[IndexedChunk] = []
+    memo_states: dict[tuple[str, Box], tuple] = {}
+    chain: dict[str, Any] | None = None
     try:
         failures = [g[0] for g in gathered if g[0] is not None]
         if failures:
@@ -312,12 +332,20 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
         signatures = [g[4] for g in gathered]
         plan, cached = cache.plan(_distinct_wires(comm, described, signatures), signatures)
         assigned = plan.assignments(comm.rank, described.layouts, described.local)
+        if memo is not None:
+            memo_states = {(a.key, a.box): VersionMemo.state(described.source(a)) for a in assigned}  # type: ignore
+        written = assigned
+        if opened_base is not None:
+            refs, ref_rows, written = _refer(comm, described, plan, assigned, opened_base,
+                                             backend.split(base)[1], backend.split(location)[1], memo)
+            if refs:
+                chain = {"base": backend.split(base)[1], "depth": chain_depth(opened_base.manifest) + 1}
         mine_file = None
         if assigned or described.flat.rank_local:
             every = described.layouts + described.local
             codes = {tl.key: safetensors_code(described.flat.tensors[tl.key].dtype) for tl in every}
             sizes = {tl.key: tl.itemsize for tl in every}
-            mine_file = layout_file(data_file_name(comm.rank, 0, suffix), comm.rank, assigned, codes, sizes)
+            mine_file = layout_file(data_file_name(comm.rank, 0, suffix), comm.rank, written, codes, sizes)
             try:
                 staging = target.staging if target is not None else _open_staging(backend, parent_location, tmp)
             except Exception as exc:  # noqa: BLE001 - this rank only: reported to every rank by finish()
@@ -328,8 +356,59 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
             target.release()
             target.parent.close()
         raise
+    finally:
+        if opened_base is not None:
+            opened_base.close()
     return PreparedSave(comm, location, parent_location, tmp, plan, cached, mine_file, described, tree, t0,
-                        overwrite, target, staging, backend, retries0, staging_error, suffix)
+                        overwrite, target, staging, backend, retries0, staging_error, suffix, refs, ref_rows,
+                        memo_states, chain=chain)
+
+
+def open_base(backend: Backend, location: str, base: str) -> Opened:
+    """The base checkpoint of a save to ``location``: it must be another checkpoint of the
+    same parent folder (references name it by its folder name)."""
+    parent, name = backend.split(location)
+    base_parent, base_name = backend.split(base)
+    if base_parent != parent:
+        raise CheckpointError(f"base checkpoint {base} must be in the same folder as the new checkpoint {location} "
+                              "(references name their checkpoint by its name in that folder)")
+    if base_name == name:
+        raise CheckpointError(f"a checkpoint cannot be its own base: {location}")
+    return read_manifest_phase(backend, base)
+
+
+def _refer(comm: Comm, described: Described, plan: GlobalPlan, assigned: list, opened: Opened, base_name: str,
+           target_name: str, memo: VersionMemo | None) -> tuple[list[RefFile], list[IndexedChunk], list]:
+    """Find this rank's chunks that the base holds unchanged; agree with every rank on the
+    referenced files (one all-reduce). Returns the manifest's ``refs``, this rank's
+    reference rows and the assignments still to write."""
+    error: BaseException | None = None
+    found: dict = {}
+    base: Base | None = None
+    try:
+        base = Base.of(base_name, opened.manifest)
+        for c in base.candidates:
+            if c.checkpoint == target_name:
+                raise CheckpointError(f"base checkpoint '{base_name}' refers to data in '{target_name}', which this "
+                                      "save would replace")
+        dtypes = {tl.key: tl.dtype for tl in described.layouts}
+        found = match(base, assigned, described.source, dtypes, CHECKSUM_BLOCK, memo)
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = exc
+    comm.agree(error)
+    assert base is not None
+    mine = set()
+    for m in found.values():
+        mine.add(m.chunk.file)
+    used = comm.all_max([1 if j in mine else 0 for j in range(len(base.candidates))])
+    numbering: dict[int, int] = {}
+    refs: list[RefFile] = []
+    for j, u in enumerate(used):
+        if u:
+            numbering[j] = len(refs)
+            refs.append(base.candidates[j])
+    rows = reference_rows(found, assigned, plan.ordinal(), numbering)
+    return refs, rows, [a for i, a in enumerate(assigned) if i not in found]
 
 
 def _group_ranks(comm: Comm) -> dict[int, int] | None:
@@ -435,11 +514,25 @@ def file_result(prep: PreparedSave, written: WrittenFile) -> FileResult:
     local = {tl.key: i for i, tl in enumerate(sorted(prep.described.local, key=lambda t: t.key))}
     base = len(order)
     chunks = [IndexedChunk(order[c.key] if c.key in order else base + local[c.key], c.box.offsets, c.box.lengths,
-                           c.start, c.end, sums) for c, sums in zip(prep.mine.chunks, written.checksums)]
+                           c.start, c.end, sums, digest)
+              for c, sums, digest in zip(prep.mine.chunks, written.checksums, written.digests)]
+    prep.digests = {(c.key, c.box): d for c, d in zip(prep.mine.chunks, written.digests)}
+    keys = list(prep.plan.tensors)
+    prep.digests.update({(keys[r.ordinal], Box(r.offsets, r.lengths)): r.digest for r in prep.ref_rows})
+    chunks.extend(prep.ref_rows)
     local_tensors = {tl.key: (tl.dtype, tl.shape) for tl in sorted(prep.described.local, key=lambda t: t.key)}
     data = build_index(prep.comm.rank, written.entry.header_bytes, written.entry.header_checksum, chunks,
                        local_tensors, prep.described.flat.rank_local)
     return written.entry, data
+
+
+def remember(prep: PreparedSave, memo: VersionMemo) -> None:
+    """After a committed save: record each chunk's digest with its source's state, so the
+    next save with ``version_skip`` need not hash what did not change."""
+    for kb, state in prep.memo_states.items():
+        digest = prep.digests.get(kb)
+        if digest:
+            memo.put(kb[0], kb[1], state, digest)
 
 
 def finish(prep: PreparedSave, results: list[FileResult], error: BaseException | None) -> SaveInfo:
@@ -480,7 +573,9 @@ def _finish(prep: PreparedSave, results: list[FileResult], error: BaseException 
     if comm.rank == 0:
         assert summaries is not None and prep.target is not None
         try:
-            manifest = build_manifest(prep.plan, summaries, prep.tree, comm.world, prep.suffix)
+            manifest = build_manifest(prep.plan, summaries, prep.tree, comm.world, prep.suffix, prep.refs)
+            if prep.chain is not None:
+                manifest.extra["incremental"] = prep.chain
             prep.target.commit(manifest.to_bytes(), prep.overwrite)
         except BaseException as exc:
             if not comm.distributed:
@@ -495,10 +590,12 @@ def _finish(prep: PreparedSave, results: list[FileResult], error: BaseException 
     mine = sum(e.nbytes for e, _ in results)
     return SaveInfo(prep.location, mine, len(results), len(prep.described.flat.tensors),
                     time.perf_counter() - prep.t0, prep.plan_cached,
-                    prep.backend.retries - prep.retries0 if prep.backend is not None else 0)
+                    prep.backend.retries - prep.retries0 if prep.backend is not None else 0,
+                    sum(r.end - r.start for r in prep.ref_rows), len(prep.ref_rows))
 
 
-def build_manifest(plan: GlobalPlan, summaries: list[list[int]], tree: Any, world: int, file_id: str) -> Manifest:
+def build_manifest(plan: GlobalPlan, summaries: list[list[int]], tree: Any, world: int, file_id: str,
+                   refs: list[RefFile] | None = None) -> Manifest:
     """The format-3 manifest of a save, from the plan and each rank's (has a file, bytes,
     index bytes, index digest): O(tensors + files), no chunk of a rule tensor listed."""
     files: list[FileEntry] = []
@@ -532,6 +629,7 @@ def build_manifest(plan: GlobalPlan, summaries: list[list[int]], tree: Any, worl
         version=FORMAT_VERSION,
         meshes=list(meshes),
         file_id=file_id,
+        refs=list(refs or []),
     )
 
 

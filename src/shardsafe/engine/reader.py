@@ -46,8 +46,10 @@ class OpenFiles:
     replaced and non-regular files raise CorruptCheckpointError naming the file."""
 
     def __init__(self, folder: Folder, manifest: Manifest, check_sizes: bool = True, digest: int | None = None,
-                 spill: bool = False) -> None:
+                 spill: bool = False, siblings: Callable[[str], Folder] | None = None) -> None:
         self.folder = folder
+        self.siblings = siblings  # opens a sibling checkpoint's folder by name (referenced files, format 3.1)
+        self.ref_folders: dict[str, Folder] = {}
         self.spill = spill  # remote files: prefetched ranges are read back from a local spill (storage/spill.py)
         self.manifest = manifest
         self.digest = digest  # of the manifest bytes read: a different one now means the checkpoint changed
@@ -58,7 +60,49 @@ class OpenFiles:
 
     def name(self, index: int) -> str:
         """The printable location of file ``index``."""
+        ref = self.manifest.ref_file(index)
+        if ref is not None:
+            if ref.checkpoint in self.ref_folders:
+                return self.ref_folders[ref.checkpoint].where(ref.name)
+            return f"{ref.checkpoint or '.'}/{ref.name}"
         return self.folder.where(self.manifest.files[index].name)
+
+    def _ref_folder(self, checkpoint: str) -> Folder:
+        """The folder of referenced checkpoint ``checkpoint`` (opened once; "" is this one)."""
+        if checkpoint == "":
+            return self.folder
+        found = self.ref_folders.get(checkpoint)
+        if found is None:
+            if self.siblings is None:
+                raise CorruptCheckpointError(f"this checkpoint refers to checkpoint '{checkpoint}', which cannot be "
+                                             "opened from here (opened without its parent folder)")
+            try:
+                found = self.siblings(checkpoint)
+            except CheckpointNotFoundError:
+                raise CorruptCheckpointError(
+                    f"{self.folder.location}: refers to data in checkpoint '{checkpoint}' (a sibling in the same "
+                    "folder), which is missing: it was deleted or moved; restore it, or load a self-contained "
+                    "checkpoint") from None
+            self.ref_folders[checkpoint] = found
+        return found
+
+    def _open_ref(self, index: int) -> ReadHandle:
+        ref = self.manifest.ref_file(index)
+        assert ref is not None
+        folder = self._ref_folder(ref.checkpoint)
+        try:
+            h = folder.open_read(ref.name)
+        except CheckpointNotFoundError:
+            raise CorruptCheckpointError(
+                f"{self.folder.location}: referenced data file {folder.where(ref.name)} (checkpoint "
+                f"'{ref.checkpoint or '.'}') is missing: it was deleted; restore it, or load a self-contained "
+                "checkpoint") from None
+        if h.size != ref.nbytes and self.check_sizes:
+            h.close()
+            raise CorruptCheckpointError(
+                f"referenced data file {folder.where(ref.name)} has {h.size} bytes, the manifest says {ref.nbytes} "
+                "(replaced or truncated)")
+        return h
 
     def handle(self, index: int) -> ReadHandle:
         """The open handle of file ``index`` (size checked)."""
@@ -73,6 +117,9 @@ class OpenFiles:
             return h
 
     def _open(self, index: int) -> ReadHandle:
+        if index >= len(self.manifest.files):
+            h = self._open_ref(index)
+            return SpilledHandle(h) if self.spill else h
         entry = self.manifest.files[index]
         try:
             h = self.folder.open_read(entry.name)
@@ -129,8 +176,8 @@ class OpenFiles:
 
     def check_header(self, index: int) -> None:
         """Verify file ``index``'s header against the manifest (once per session)."""
-        if index in self.headers_ok:
-            return
+        if index in self.headers_ok or index >= len(self.manifest.files):
+            return  # a referenced file: its chunks' block checksums (in this checkpoint's index) verify its bytes
         self.manifest.load_indexes([index])  # format 3: the header's size and digest are in the index
         entry = self.manifest.files[index]
         buf = bytearray(entry.header_bytes)
@@ -141,11 +188,14 @@ class OpenFiles:
         self.headers_ok.add(index)
 
     def close(self) -> None:
-        """Close every handle."""
+        """Close every handle and every referenced checkpoint's folder."""
         with self._lock:
             for h in self.handles.values():
                 h.close()
             self.handles.clear()
+            for folder in self.ref_folders.values():
+                folder.close()
+            self.ref_folders.clear()
 
     def __enter__(self) -> OpenFiles:
         return self

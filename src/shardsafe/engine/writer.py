@@ -30,6 +30,7 @@ import torch
 
 from ..format.checksum import checksum
 from ..format.manifest import FileEntry
+from ..format.refs import block_digest, chunk_digest
 from ..plan.save_plan import ChunkWrite, FileWrite
 from ..storage.base import Folder, WriteHandle
 from .buffers import dense, flat_bytes, resolved
@@ -59,10 +60,12 @@ class Stretch:
 
 @dataclass
 class WrittenFile:
-    """A finished data file: its manifest entry and each chunk's block checksums."""
+    """A finished data file: its manifest entry, each chunk's block checksums and chunk
+    digest (format/refs.py)."""
 
     entry: FileEntry
     checksums: list[list[str]]
+    digests: list[str]
 
 
 def _copy_parts(pairs: list[tuple[torch.Tensor, torch.Tensor]], parts: int) -> list[list[tuple]]:
@@ -119,6 +122,7 @@ class FileWriter:
         # last byte: a block never straddles two), the budget permitting.
         self.slots = threading.BoundedSemaphore(max(1, cap // self.slot) if staging_bytes is not None else 1 << 30)
         self.sums: list[list[str | None]] = [[None] * max(1, -(-(c.end - c.start) // block)) for c in plan.chunks]
+        self.wide: list[list[bytes | None]] = [[None] * len(s) for s in self.sums]  # XXH3-128 of each block
         self.full: queue.Queue[Stretch | None] = queue.Queue()
         self.error: BaseException | None = None
         self.go = threading.Event()
@@ -315,6 +319,7 @@ class FileWriter:
         offset = stretch.offset
         for ci, bi, piece in stretch.pieces:
             self.sums[ci][bi] = checksum(piece)
+            self.wide[ci][bi] = block_digest(piece)  # the block is in cache: a second hash costs little
             n = len(piece)
             if not n:
                 continue
@@ -343,7 +348,7 @@ class FileWriter:
             raise
         header = self.plan.header
         entry = FileEntry(self.plan.name, self.plan.size, self.plan.rank, len(header), checksum(header))
-        return WrittenFile(entry, self.sums)  # type: ignore[arg-type]
+        return WrittenFile(entry, self.sums, [chunk_digest(w) for w in self.wide])  # type: ignore[arg-type]
 
     def abort(self, error: BaseException | None = None) -> None:
         """Stop after a failure elsewhere: writers only release their slots, the file is removed."""

@@ -19,10 +19,11 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 from .checksum import checksum
 from .chunk_table import HEX, Chunk, ChunkTable
+from .refs import DIGEST_HEX, check_digests
 from .strict_json import _count, _duplicate, _parse_json, _show
 
 INDEX_FORMAT = "shardsafe-index"
-INDEX_VERSION = (3, 0)
+INDEX_VERSION = (3, 1)
 DATA_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".index.json"
 
@@ -42,7 +43,9 @@ def index_name(data_name: str) -> str:
 @dataclass(frozen=True)
 class IndexedChunk:
     """One chunk as its writer records it: tensor ordinal (manifest tensors first, then
-    this index's own rank-local tensors), box, byte range and block checksums."""
+    this index's own rank-local tensors), box, byte range, block checksums and chunk
+    digest; ``ref`` >= 0: the bytes are in the manifest's referenced file ``ref``, not in
+    this index's data file (format 3.1)."""
 
     ordinal: int
     offsets: tuple[int, ...]
@@ -50,20 +53,17 @@ class IndexedChunk:
     start: int
     end: int
     sums: list[str]
+    digest: str = ""
+    ref: int = -1
 
 
 def build_index(rank: int, header_bytes: int, header_checksum: str, chunks: list[IndexedChunk],
                 local_tensors: dict[str, tuple[str, tuple[int, ...]]], rank_local: dict[str, Any]) -> bytes:
-    """The index file's bytes (rows sorted by tensor ordinal, then offsets)."""
-    rows = sorted(chunks, key=lambda c: (c.ordinal, c.offsets))
-    o: list[int] = []
-    n: list[int] = []
-    b: list[int] = []
-    for c in rows:
-        o.extend(c.offsets)
-        n.extend(c.lengths)
-        b.extend((c.start, c.end))
-    body = {
+    """The index file's bytes (rows sorted by tensor ordinal, then offsets; references in
+    their own ``refs`` table). Every chunk carries its digest."""
+    rows = sorted((c for c in chunks if c.ref < 0), key=lambda c: (c.ordinal, c.offsets))
+    refs = sorted((c for c in chunks if c.ref >= 0), key=lambda c: (c.ordinal, c.offsets))
+    body: dict[str, Any] = {
         "format": INDEX_FORMAT,
         "version": list(INDEX_VERSION),
         "rank": rank,
@@ -71,11 +71,26 @@ def build_index(rank: int, header_bytes: int, header_checksum: str, chunks: list
         "header_x": header_checksum,
         "tensors": {k: {"dtype": dt, "shape": list(shape), "kind": "rank_local"} for k, (dt, shape) in
                     local_tensors.items()},
-        "chunks": {"t": [c.ordinal for c in rows], "o": o, "n": n, "b": b,
-                   "x": "".join(s for c in rows for s in c.sums)},
+        "chunks": _columns(rows),
         "rank_local": rank_local,
     }
+    if refs:
+        body["refs"] = {**_columns(refs), "f": [c.ref for c in refs]}
     return json.dumps(body, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _columns(rows: list[IndexedChunk]) -> dict[str, Any]:
+    o: list[int] = []
+    n: list[int] = []
+    b: list[int] = []
+    for c in rows:
+        o.extend(c.offsets)
+        n.extend(c.lengths)
+        b.extend((c.start, c.end))
+    if any(len(c.digest) != DIGEST_HEX for c in rows):
+        raise ValueError("every chunk of a format-3.1 index needs its digest")
+    return {"t": [c.ordinal for c in rows], "o": o, "n": n, "b": b, "x": "".join(s for c in rows for s in c.sums),
+            "h": "".join(c.digest for c in rows)}
 
 
 class FileIndex:
@@ -94,6 +109,11 @@ class FileIndex:
         self.rank_local = rank_local
         self._rows: dict[tuple[int, tuple[int, ...]], int] | None = None
         self.raw = b""  # the index's bytes, once verified (copies write them unchanged)
+        self.digests = ""  # format 3.1: the chunk digest of every row (32 hex digits each)
+        self.refs: ChunkTable | None = None  # format 3.1: chunks whose bytes are in referenced files
+        self.ref_ordinals: list[int] = []
+        self.ref_digests = ""
+        self._ref_rows: dict[tuple[int, tuple[int, ...]], int] | None = None
 
     def __len__(self) -> int:
         return len(self.ordinals)
@@ -105,6 +125,30 @@ class FileIndex:
             dims = self.table.dims.tolist()
             self._rows = {(t, tuple(offs[dims[r]: dims[r + 1]])): r for r, t in enumerate(self.ordinals)}
         return self._rows.get((ordinal, tuple(offsets)))
+
+    def find(self, ordinal: int, offsets: tuple[int, ...]) -> tuple[Chunk, str] | None:
+        """The chunk of tensor ``ordinal`` at ``offsets`` (in this file, or a reference:
+        its ``file`` is then the manifest's number of the referenced file) and its chunk
+        digest ("" when the index has none), or None."""
+        row = self.row(ordinal, offsets)
+        if row is not None:
+            return self.table.chunk(row), self.digests[DIGEST_HEX * row: DIGEST_HEX * (row + 1)]
+        if self.refs is None:
+            return None
+        if self._ref_rows is None:
+            offs = self.refs.offsets.tolist()
+            dims = self.refs.dims.tolist()
+            self._ref_rows = {(t, tuple(offs[dims[r]: dims[r + 1]])): r for r, t in enumerate(self.ref_ordinals)}
+        r = self._ref_rows.get((ordinal, tuple(offsets)))
+        if r is None:
+            return None
+        return self.refs.chunk(r), self.ref_digests[DIGEST_HEX * r: DIGEST_HEX * (r + 1)]
+
+    def referred(self) -> list[tuple[int, Chunk]]:
+        """(tensor ordinal, chunk) of every reference row (chunk.file: the manifest's number)."""
+        if self.refs is None:
+            return []
+        return list(zip(self.ref_ordinals, self.refs.chunks(0, len(self.refs))))
 
     def chunk(self, row: int) -> Chunk:
         """Row ``row`` as a :class:`Chunk` of this file (its ``file`` and ``rank`` set)."""
@@ -121,10 +165,12 @@ class FileIndex:
 
     @staticmethod
     def parse(data: bytes, where: str, *, file: int, rank: int, nbytes: int, block: int,
-              tensors: list[tuple[tuple[int, ...], int]]) -> FileIndex:
+              tensors: list[tuple[tuple[int, ...], int]], ref_files: list[tuple[str, int]] | None = None,
+              first_ref: int = 0) -> FileIndex:
         """Parse and validate index bytes (already checked against the manifest's digest).
-        ``tensors`` holds (shape, itemsize) of each manifest tensor, in order; errors name
-        ``where``."""
+        ``tensors`` holds (shape, itemsize) of each manifest tensor, in order;
+        ``ref_files`` (name, size) the manifest's referenced files, numbered from
+        ``first_ref``; errors name ``where``."""
         from .dtypes import name_itemsize
 
         body, spans = _parse_json(data, where, "file index")
@@ -183,6 +229,11 @@ class FileIndex:
             table.file_ranks = {file: rank}  # type: ignore[assignment]
             table.chunks(0, 0)
             index = FileIndex(file, rank, header_bytes, header_x, table, ords, local, rank_local)
+            if "h" in cols:
+                index.digests = check_digests(cols["h"], len(ords), "chunks")
+            if "refs" in body:
+                _parse_refs(index, body["refs"], ref_files or [], first_ref, shapes[: len(tensors)],
+                            sizes[: len(tensors)], block, rank)
             offsets = table.offsets.tolist()
             dims = table.dims.tolist()
             previous: tuple[int, list[int]] | None = None
@@ -203,6 +254,42 @@ class FileIndex:
         except (KeyError, TypeError, IndexError, AttributeError, ValueError, OverflowError) as exc:
             raise CorruptCheckpointError(f"{where}: corrupt file index: a field is missing or mistyped: "
                                          f"{exc!r}") from None
+
+
+def _parse_refs(index: FileIndex, cols: Any, ref_files: list[tuple[str, int]], first_ref: int,
+                shapes: list[tuple[int, ...]], sizes: list[int], block: int, rank: int) -> None:
+    """The ``refs`` table (format 3.1): rows of manifest tensors only, sorted by (tensor,
+    offsets), in the referenced files' data areas, none at a place the file's own rows hold."""
+    if type(cols) is not dict:
+        raise CorruptCheckpointError("refs is not an object")
+    ords = cols.get("t")
+    if not (type(ords) is list and all(type(t) is int and 0 <= t < len(shapes) for t in ords)
+            and all(a <= b for a, b in zip(ords, ords[1:]))):
+        raise CorruptCheckpointError(f"refs 't' is not a sorted list of tensor ordinals below {len(shapes)}")
+    if ords and not ref_files:
+        raise CorruptCheckpointError("refs rows, but the manifest lists no referenced file")
+    ndim = np.array([len(shapes[t]) for t in ords], dtype=np.int64)
+    table = ChunkTable.from_json(cols, ndim, block, [rank] * max(1, len(ref_files)))
+    firsts = np.searchsorted(np.asarray(ords, dtype=np.int64), np.arange(len(shapes) + 1), side="left")
+    bad = table.problem(shapes, sizes, firsts, np.full(max(1, len(ref_files)), 8, dtype=np.int64),
+                        np.array([n for _, n in ref_files] or [0], dtype=np.int64), [n for n, _ in ref_files] or [""])
+    if bad is not None:
+        c, what = bad
+        raise CorruptCheckpointError(f"refs table: {what}" if c < 0 else f"reference {c}: {what}")
+    index.ref_digests = check_digests(cols.get("h"), len(ords), "refs")
+    offsets = table.offsets.tolist()
+    dims = table.dims.tolist()
+    previous: tuple[int, list[int]] | None = None
+    for r, t in enumerate(ords):
+        here = (t, offsets[dims[r]: dims[r + 1]])
+        if (previous is not None and here <= previous) or index.row(t, tuple(here[1])) is not None:
+            raise CorruptCheckpointError(f"reference {r}: rows are not sorted by tensor and offsets, or tensor {t} "
+                                         f"has two chunks at {here[1]}")
+        previous = here
+    table.file = table.file + first_ref
+    table.file_ranks = {first_ref + j: rank for j in range(len(ref_files))}  # type: ignore[assignment]
+    table.chunks(0, 0)
+    index.refs, index.ref_ordinals = table, ords
 
 
 def _check_values(rank_local: dict[str, Any], local: dict[str, Any]) -> None:

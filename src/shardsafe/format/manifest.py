@@ -26,13 +26,15 @@ from ..gcpause import gc_paused
 from .checksum import ALGORITHM, checksum
 from .chunk_table import HEX, Chunk, ChunkTable, table_json
 from .file_index import FileIndex, data_name, index_name, verify_index
+from .refs import RefFile, parse_refs, refs_json
 from .rules import Mesh, Rule, parse_placement
 from .strict_json import MAX_MEMBER_DEPTH, _count, _duplicate, _parse_json, _show  # noqa: F401 (re-exported)
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "shardsafe"
-FORMAT_VERSION = (3, 0)
-"""What saves write: layouts as rules, byte ranges and checksums in per-file indexes."""
+FORMAT_VERSION = (3, 1)
+"""What saves write: layouts as rules, byte ranges and checksums in per-file indexes, chunk
+digests, and (incremental saves) references to other checkpoints' data files."""
 TABLE_VERSION = (2, 0)
 """The layout of a Manifest built from explicit chunk lists (every chunk in one table)."""
 READABLE_MAJORS = (1, 2, 3)
@@ -249,6 +251,7 @@ class Manifest:
     version: tuple[int, int] = TABLE_VERSION
     meshes: list[Mesh] = field(default_factory=list)  # format 3: the meshes rules refer to
     file_id: str = ""  # format 3: the save id in the data file names ("" or "." + hex)
+    refs: list[RefFile] = field(default_factory=list)  # format 3.1: files numbered len(files) + j
 
     def __post_init__(self) -> None:
         self._indexes: dict[int, FileIndex] = {}
@@ -283,7 +286,11 @@ class Manifest:
         files = [FileEntry(data_name(f.rank, file_id), f.nbytes, f.rank, f.header_bytes, f.header_checksum,
                            f.index_bytes, f.index_checksum) for f in self.files]
         return Manifest(self.tree, tensors, files, self.world_size, list(self.rank_local), self.created, self.writer,
-                        self.extra, self.version, self.meshes, file_id)
+                        self.extra, self.version, self.meshes, file_id, list(self.refs))
+
+    def ref_file(self, file: int) -> RefFile | None:
+        """The referenced file numbered ``file`` (None for the checkpoint's own files)."""
+        return self.refs[file - len(self.files)] if file >= len(self.files) else None
 
     def key_of(self, ordinal: int) -> str:
         """The key of manifest tensor ``ordinal``."""
@@ -309,11 +316,12 @@ class Manifest:
             datas = self.index_source([(self.files[f].index_name, self.files[f].index_bytes) for f in missing])
             meta = self._tensor_meta()
             block = self.extra["checksum_block"]
+            ref_files = [(r.name, r.nbytes) for r in self.refs]
             for f, data in zip(missing, datas):
                 entry = self.files[f]
                 verify_index(data, entry.index_bytes, entry.index_checksum, entry.index_name)
                 index = FileIndex.parse(data, entry.index_name, file=f, rank=entry.rank, nbytes=entry.nbytes,
-                                        block=block, tensors=meta)
+                                        block=block, tensors=meta, ref_files=ref_files, first_ref=len(self.files))
                 entry.header_bytes, entry.header_checksum = index.header_bytes, index.header_checksum
                 index.raw = data
                 self._add_local_tensors(index)
@@ -358,7 +366,11 @@ class Manifest:
         for offsets, lengths, f in boxes:
             index = indexes[f]
             row = index.row(ordinal, offsets)
-            chunk = None if row is None else index.table.chunk(row)
+            if row is not None:
+                chunk: Chunk | None = index.table.chunk(row)
+            else:  # format 3.1: the bytes may be in a referenced file
+                found = index.find(ordinal, tuple(offsets))
+                chunk = None if found is None else found[0]
             if chunk is None or chunk.lengths != tuple(lengths):
                 raise CorruptCheckpointError(
                     f"tensor '{self.key_of(ordinal)}': the chunk at {list(offsets)}+{list(lengths)} is not in the "
@@ -461,6 +473,7 @@ class Manifest:
             "tensors": entries,
             "chunks": {"o": o, "n": n, "f": f},
             "rank_local": sorted(self.rank_local),
+            **({"refs": refs_json(self.refs)} if self.refs else {}),
             "tree": self.tree,
         }
 
@@ -714,8 +727,14 @@ def _parse_v3(body: dict[str, Any], spans: Any, head: bytes, version: tuple[int,
         duplicate = _duplicate(head, spans)
         if duplicate:
             raise CorruptCheckpointError(f"manifest is not valid JSON: {duplicate}")
+    refs = parse_refs(body["refs"]) if "refs" in body else []
+    own = {MANIFEST_NAME} | {f.name for f in files} | {f.index_name for f in files}
+    if any(r.checkpoint == "" and r.name in own for r in refs):
+        raise CorruptCheckpointError("inconsistent manifest: a referenced file of this checkpoint's own folder has the "
+                                     "name of its manifest, a data file or an index")
     return Manifest(tree=body["tree"], tensors=tensors, files=files, world_size=world_size, rank_local=rank_local,
-                    created=created, writer=writer, extra=extra, version=version, meshes=meshes, file_id=file_id)
+                    created=created, writer=writer, extra=extra, version=version, meshes=meshes, file_id=file_id,
+                    refs=refs)
 
 
 def _files_v3(d: Any, world: int) -> tuple[list[FileEntry], str]:

@@ -8,6 +8,11 @@ destination; the destination is built and committed exactly as a save builds and
 object stores), so a failed or killed copy leaves no checkpoint (and any previous one at
 DST intact). The manifest is written again with the destination's file names (in the
 current format version).
+
+An incremental checkpoint's copy is self-contained: each file it refers to (in other
+checkpoints) is copied whole into the destination as ``ref-<N><id>.safetensors`` (the
+chunks the checkpoint uses verified on the way), and the copy's manifest refers to those
+files in its own folder; the indexes stay byte for byte.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from ..errors import CorruptCheckpointError
 from ..format.checksum import checksum
 from ..format.file_index import index_name
 from ..format.manifest import FileEntry, Manifest
+from ..format.refs import RefFile
 from ..loading import block_size
 from ..plan.load_plan import BlockCheck, chunk_checks
 from ..plan.save_plan import data_file_name
@@ -86,6 +92,15 @@ def copy_checkpoint(src: PathLike, dst: PathLike, *, overwrite: bool = False, wi
                 out = manifest.with_file_id(target.suffix) if manifest.indexed else \
                     Manifest(manifest.tree, manifest.tensors, files, manifest.world_size, manifest.rank_local,
                              manifest.created, manifest.writer, manifest.extra)
+                if manifest.refs:
+                    manifest.load_all_indexes()
+                    refs = []
+                    for j, ref in enumerate(manifest.refs):
+                        name = f"ref-{j:05d}{target.suffix}.safetensors"
+                        total += _copy_referenced(reader, len(manifest.files) + j, target.staging, name, block,
+                                                  window)
+                        refs.append(RefFile("", name, ref.nbytes))
+                    out.refs = refs
                 target.commit(out.to_bytes(), overwrite)
             except BaseException:
                 target.abort()
@@ -97,6 +112,46 @@ def copy_checkpoint(src: PathLike, dst: PathLike, *, overwrite: bool = False, wi
         if checkpointer is None:
             cp.close()
     return CopyReport(str(src), str(dst), len(manifest.files), total, time.perf_counter() - t0)
+
+
+def _copy_referenced(reader: Any, file: int, folder: Any, name: str, block: int, window: int) -> int:
+    """Stream referenced file ``file`` whole to ``folder``/``name``, verifying the blocks of
+    every chunk the checkpoint refers to in it; its size."""
+    manifest: Manifest = reader.manifest
+    ref = manifest.ref_file(file)
+    assert ref is not None
+    checks = sorted({(c.lo, c.hi): c for f in range(len(manifest.files)) for o, chunk in manifest.index(f).referred()
+                     if chunk.file == file for c in chunk_checks(manifest.key_of(o), chunk, None, block)}.values(),
+                    key=lambda c: c.lo)
+    handle = reader.files.handle(file)
+    out = folder.create(name)
+    try:
+        buf = bytearray(max(window, block))
+        pos = 0
+        for c in [*checks, None]:
+            stop = ref.nbytes if c is None else c.lo
+            while pos < stop:  # bytes this checkpoint does not use: copied as they are
+                n = min(len(buf), stop - pos)
+                view = memoryview(buf)[:n]
+                handle.read_into([view], pos)
+                out.write([view], pos)
+                pos += n
+            if c is None:
+                break
+            view = memoryview(buf)[: c.hi - c.lo]
+            if c.hi > c.lo:
+                handle.read_into([view], c.lo)
+            if checksum(view) != c.expected:
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in {reader.files.name(file)}, tensor '{c.key}', bytes {c.lo}-{c.hi}")
+            if c.hi > c.lo:
+                out.write([view], c.lo)
+            pos = c.hi
+        out.finish()
+    except BaseException:
+        out.abort()
+        raise
+    return ref.nbytes
 
 
 def _copy_file(reader: Any, index: int, folder: Any, name: str, block: int, window: int) -> int:

@@ -34,11 +34,12 @@ class Row:
     chunks: int | None = None
     ranks: list[int] | None = None  # saving ranks that wrote its chunks
     value: str | None = None  # brief description of a plain value
+    held_in: dict[str, int] | None = None  # incremental: checkpoint ("." = this one) -> bytes of it held there
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (without empty members)."""
         d = {"key": self.key, "kind": self.kind, "dtype": self.dtype, "shape": self.shape, "bytes": self.nbytes,
-             "chunks": self.chunks, "ranks": self.ranks, "value": self.value}
+             "chunks": self.chunks, "ranks": self.ranks, "value": self.value, "held_in": self.held_in}
         return {k: v for k, v in d.items() if v is not None}
 
 
@@ -95,7 +96,11 @@ def _describe(row: Row) -> str:
     if row.dtype is not None:
         shape = "[" + ", ".join(str(s) for s in row.shape or []) + "]"
         chunks = f"{row.chunks} chunk" + ("s" if row.chunks != 1 else "")
-        return f"{row.kind:<10}  {row.dtype:<9} {shape:<16} {human_bytes(row.nbytes or 0):>10}  {chunks}"
+        held = ""
+        if row.held_in and set(row.held_in) != {"."}:
+            held = "  in " + ", ".join(f"{'this checkpoint' if k == '.' else k} ({human_bytes(v)})"
+                                       for k, v in sorted(row.held_in.items()))
+        return f"{row.kind:<10}  {row.dtype:<9} {shape:<16} {human_bytes(row.nbytes or 0):>10}  {chunks}{held}"
     return f"{row.kind:<10}  {row.value}"
 
 
@@ -106,7 +111,7 @@ def _row(leaf: Leaf, manifest: Manifest) -> Row:
             return Row("missing", leaf.parts, leaf.key, value="tensor not described in the manifest")
         ranks = sorted({manifest.files[f].rank for _, _, f in entry.boxes()})  # no file index needed
         return Row(entry.kind, leaf.parts, leaf.key, entry.dtype, list(entry.shape), tensor_bytes(entry),
-                   entry.chunk_count, ranks)
+                   entry.chunk_count, ranks, held_in=_holders(manifest, entry) if manifest.refs else None)
     if leaf.kind == "rank_local":
         per_rank = manifest.rank_local.get(leaf.node["$rank_local"]) or []
         n = sum(1 for v in per_rank if v is not None)
@@ -119,6 +124,17 @@ def _row(leaf: Leaf, manifest: Manifest) -> Row:
     return Row("value", leaf.parts, leaf.key, value=text)
 
 
+def _holders(manifest: Manifest, entry: TensorEntry) -> dict[str, int]:
+    """Incremental checkpoints: which checkpoint holds how many bytes of the tensor (reads
+    the file indexes)."""
+    out: dict[str, int] = {}
+    for c in entry.chunks:
+        ref = manifest.ref_file(c.file)
+        name = "." if ref is None else (ref.checkpoint or ".")
+        out[name] = out.get(name, 0) + c.end - c.start
+    return out
+
+
 def inspect_checkpoint(path: PathLike, manifest: Manifest | None = None) -> Inspection:
     """The key tree of the checkpoint at ``path`` (reads and verifies only its manifest)."""
     root = str(path)
@@ -128,4 +144,5 @@ def inspect_checkpoint(path: PathLike, manifest: Manifest | None = None) -> Insp
         manifest = read_manifest(path)
     rows = [_row(leaf, manifest) for leaf in leaves(manifest, "all", inline=60)]
     files = [{"name": f.name, "bytes": f.nbytes, "rank": f.rank} for f in manifest.files]
+    files += [{"name": r.name, "bytes": r.nbytes, "checkpoint": r.checkpoint or "."} for r in manifest.refs]
     return Inspection(str(root), manifest.world_size, manifest.created, dict(manifest.writer), files, rows)

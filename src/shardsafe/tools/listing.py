@@ -28,8 +28,14 @@ class StepEntry:
     ``status`` is ``valid`` (committed, manifest and file sizes check out), ``invalid``
     (a step folder that is torn or damaged: ``problem`` says how), ``incomplete`` (the
     temporary folder of a save that has not committed, or was interrupted), ``parked``
-    (a previous checkpoint left aside by an interrupted overwrite) or ``deleting`` (a
-    checkpoint taken out of sight by retention whose files are not all deleted yet)."""
+    (a previous checkpoint left aside by an interrupted overwrite), ``deleting`` (a
+    checkpoint taken out of sight by retention whose files are not all deleted yet) or
+    ``retired`` (deleted by retention, but holding data files that kept incremental
+    checkpoints refer to).
+
+    ``size`` is what the folder holds (its own bytes); ``referred`` the bytes of chunks the
+    checkpoint leaves in other checkpoints' files (incremental saves), ``refers_to`` the
+    names of those checkpoints."""
 
     name: str
     step: int | None  # None: a single checkpoint folder not named step-<N>
@@ -38,6 +44,8 @@ class StepEntry:
     created: float | None = None
     world_size: int | None = None
     problem: str | None = None
+    referred: int = 0
+    refers_to: list[str] | None = None
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -60,9 +68,10 @@ def _size(folder: Folder, name: str) -> int:
     return total
 
 
-def check_step(folder: Folder) -> tuple[Manifest | None, str | None]:
+def check_step(folder: Folder, parent: Folder | None = None) -> tuple[Manifest | None, str | None]:
     """(manifest, None) when ``folder`` is a committed checkpoint whose manifest verifies and
-    whose data files have the recorded sizes, else (manifest or None, the problem)."""
+    whose data files (and, given its ``parent``, the files it refers to) have the recorded
+    sizes, else (manifest or None, the problem)."""
     try:
         if folder.kind(MANIFEST_NAME) is None:
             return None, "no manifest.json (torn save or not a checkpoint)"
@@ -90,7 +99,42 @@ def check_step(folder: Folder) -> tuple[Manifest | None, str | None]:
             if size != entry.index_bytes:
                 return manifest, (f"file index {entry.index_name} has {size} bytes, the manifest says "
                                   f"{entry.index_bytes}")
+    for ref in manifest.refs:
+        problem = _ref_problem(folder, parent, ref.checkpoint, ref.name, ref.nbytes)
+        if problem:
+            return manifest, problem
     return manifest, None
+
+
+def _ref_problem(folder: Folder, parent: Folder | None, checkpoint: str, name: str, nbytes: int) -> str | None:
+    """What is wrong with a referenced file (missing, resized), or None; unchecked (None)
+    when the checkpoint was opened without its parent folder."""
+    try:
+        if checkpoint == "":
+            size = folder.size(name) if folder.kind(name) == "file" else None
+        elif parent is None:
+            return None
+        elif parent.kind(checkpoint) != "dir":
+            return f"refers to checkpoint '{checkpoint}', which is missing"
+        else:
+            with parent.open_folder(checkpoint) as other:
+                size = other.size(name) if other.kind(name) == "file" else None
+    except CheckpointError as exc:
+        return f"cannot check referenced file {checkpoint}/{name}: {exc}"
+    if size is None:
+        return f"referenced data file {checkpoint or '.'}/{name} is missing"
+    if size != nbytes:
+        return f"referenced data file {checkpoint or '.'}/{name} has {size} bytes, the manifest says {nbytes}"
+    return None
+
+
+def referred_bytes(manifest: Manifest) -> int:
+    """Bytes of the chunks a checkpoint leaves in other checkpoints' files (reads its
+    indexes when it has references; 0 without)."""
+    if not manifest.refs:
+        return 0
+    manifest.load_all_indexes()
+    return sum(c.end - c.start for f in range(len(manifest.files)) for _, c in manifest.index(f).referred())
 
 
 def list_checkpoints(folder: PathLike, checkpointer: Checkpointer | None = None) -> list[StepEntry]:
@@ -104,12 +148,20 @@ def list_checkpoints(folder: PathLike, checkpointer: Checkpointer | None = None)
     out: list[StepEntry] = []
     with root:
         if root.kind(MANIFEST_NAME) is not None:
-            name = backend.split(location)[1]
-            manifest, problem = check_step(root)
+            parent_location, name = backend.split(location)
+            try:
+                parent: Folder | None = backend.open(parent_location)
+            except CheckpointError:
+                parent = None
+            try:
+                manifest, problem = check_step(root, parent)
+            finally:
+                if parent is not None:
+                    parent.close()
             size = sum(root.size(n) for n in root.names() if root.kind(n) == "file")
-            out.append(StepEntry(name, parse_step(name), "valid" if problem is None else "invalid", size,
-                                 manifest.created if manifest else None, manifest.world_size if manifest else None,
-                                 problem))
+            out.append(_with_refs(StepEntry(name, parse_step(name), "valid" if problem is None else "invalid", size,
+                                            manifest.created if manifest else None,
+                                            manifest.world_size if manifest else None, problem), manifest, root))
             return out
         for name in root.names():
             if root.kind(name) != "dir":
@@ -133,27 +185,53 @@ def list_checkpoints(folder: PathLike, checkpointer: Checkpointer | None = None)
 
 
 def _entry(parent: Folder, name: str, step: int | None) -> StepEntry:
+    from ..checkpoint_folder import retired_files
+
+    kept = retired_files(parent, name)
+    if kept is not None:
+        return StepEntry(name, step, "retired", _size(parent, name),
+                         problem=f"deleted by retention; keeps {len(kept)} data file(s) newer checkpoints refer to")
     try:
         with parent.open_folder(name) as folder:
-            manifest, problem = check_step(folder)
+            manifest, problem = check_step(folder, parent)
+            entry = StepEntry(
+                name, step, "valid" if problem is None else "invalid", _size(parent, name),
+                manifest.created if manifest else None, manifest.world_size if manifest else None, problem,
+            )
+            return _with_refs(entry, manifest, folder)
     except CheckpointError as exc:
-        manifest, problem = None, str(exc)
-    return StepEntry(
-        name, step, "valid" if problem is None else "invalid", _size(parent, name),
-        manifest.created if manifest else None, manifest.world_size if manifest else None, problem,
-    )
+        return StepEntry(name, step, "invalid", _size(parent, name), problem=str(exc))
+
+
+def _with_refs(entry: StepEntry, manifest: Manifest | None, folder: Folder) -> StepEntry:
+    """``entry`` with the bytes its checkpoint refers to (read from its indexes)."""
+    if manifest is None or not manifest.refs:
+        return entry
+    from ..loading import index_reader
+
+    entry.refers_to = sorted({r.checkpoint or "." for r in manifest.refs})
+    try:
+        manifest.index_source = index_reader(folder, 0, False)
+        entry.referred = referred_bytes(manifest)
+    except CheckpointError as exc:
+        if entry.problem is None:
+            entry.status, entry.problem = "invalid", str(exc)
+    return entry
 
 
 def format_listing(entries: list[StepEntry], folder: PathLike) -> str:
     """The text table of ``shardsafe ls``."""
     if not entries:
         return f"no step checkpoints in {folder}"
-    rows = [("STEP", "STATUS", "SIZE", "CREATED", "WORLD", "NAME")]
+    rows = [("STEP", "STATUS", "OWNS", "REFERS", "CREATED", "WORLD", "NAME")]
     for e in entries:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created)) if e.created else "-"
         name = e.name + (f"  ({e.problem})" if e.problem and e.status != "valid" else "")
-        rows.append((str(e.step) if e.step is not None else "-", e.status, human_bytes(e.size), created,
+        if e.refers_to:
+            name += f"  (refers to {', '.join(e.refers_to)})"
+        rows.append((str(e.step) if e.step is not None else "-", e.status, human_bytes(e.size),
+                     human_bytes(e.referred) if e.referred else "-", created,
                      str(e.world_size) if e.world_size is not None else "-", name))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + "  " + r[6] for r in rows]
     return "\n".join(lines)

@@ -63,6 +63,7 @@ class VerifyReport:
     bytes_checked: int = 0
     seconds: float = 0.0
     problems: list[Problem] = field(default_factory=list)
+    referred_bytes: int = 0  # of the bytes checked: chunks in other checkpoints' files (incremental)
 
     @property
     def ok(self) -> bool:
@@ -71,7 +72,7 @@ class VerifyReport:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return {"path": self.path, "ok": self.ok, "files": self.files, "chunks": self.chunks,
-                "bytes_checked": self.bytes_checked, "seconds": self.seconds,
+                "bytes_checked": self.bytes_checked, "referred_bytes": self.referred_bytes, "seconds": self.seconds,
                 "problems": [p.to_json() for p in self.problems]}
 
     def to_text(self) -> str:
@@ -79,6 +80,8 @@ class VerifyReport:
         rate = f" ({human_bytes(self.bytes_checked / self.seconds)}/s)" if self.seconds > 0 else ""
         summary = (f"{self.path}: {self.files} files, {self.chunks} chunks, {human_bytes(self.bytes_checked)} "
                    f"checked in {self.seconds:.2f} s{rate}")
+        if self.referred_bytes:
+            summary += f" ({human_bytes(self.referred_bytes)} of it in the checkpoints this one refers to)"
         if self.ok:
             return summary + ": OK"
         lines = [f"BAD  {p}" for p in self.problems]
@@ -132,9 +135,12 @@ def _geometry(manifest: Manifest, block: int, bad: set[int] | None = None) -> li
         chunks = _chunks(manifest, entry, bad, problems, key)
         if len(chunks) < entry.chunk_count:
             continue  # in a file whose index is unusable: reported with the file
+        listed = len(manifest.files) + len(manifest.refs)
         for c in chunks:
-            name = manifest.files[c.file].name if 0 <= c.file < len(manifest.files) else f"file #{c.file}"
-            if not 0 <= c.file < len(manifest.files):
+            ref = manifest.ref_file(c.file) if 0 <= c.file < listed else None
+            name = (manifest.files[c.file].name if ref is None else f"{ref.checkpoint or '.'}/{ref.name}") \
+                if 0 <= c.file < listed else f"file #{c.file}"
+            if not 0 <= c.file < listed:
                 problems.append(Problem("chunk refers to a data file the manifest does not list", name, key,
                                         c.start, c.end))
             n = prod(c.lengths)
@@ -242,6 +248,23 @@ def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | Non
             report.problems.append(Problem(f"header checksum mismatch (the safetensors header is corrupt): {what}",
                                            entry.name, start=0, end=entry.header_bytes))
             files.headers_ok.add(i)  # still hash its chunks
+    nfiles = len(manifest.files)
+    for j, ref in enumerate(manifest.refs):  # incremental: the files its references point at
+        where = f"{ref.checkpoint or '.'}/{ref.name}"
+        try:
+            sizes[nfiles + j] = files.handle(nfiles + j).size
+        except CorruptCheckpointError as exc:
+            report.problems.append(Problem(f"referenced file cannot be read: {exc}", where))
+            continue
+        usable.add(nfiles + j)
+        if sizes[nfiles + j] != ref.nbytes:
+            report.problems.append(Problem(f"referenced file has {sizes[nfiles + j]} bytes, the manifest says "
+                                           f"{ref.nbytes}", where))
+
+    def name_of(f: int) -> str:
+        ref = manifest.ref_file(f)
+        return manifest.files[f].name if ref is None else f"{ref.checkpoint or '.'}/{ref.name}"
+
     checks: list[BlockCheck] = []
     chunk_at: dict[tuple[int, int], tuple[str, Chunk]] = {}
     for key, entry in manifest.tensors.items():
@@ -251,8 +274,10 @@ def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | Non
                 continue  # reported above / by _geometry
             if c.end > sizes[c.file]:
                 report.problems.append(Problem("chunk lies past the end of the file (truncated)",
-                                               manifest.files[c.file].name, key, c.start, c.end))
+                                               name_of(c.file), key, c.start, c.end))
                 continue
+            if c.file >= nfiles and manifest.refs[c.file - nfiles].checkpoint:
+                report.referred_bytes += c.end - c.start
             for check in chunk_checks(key, c, None, block):
                 checks.append(check)
                 chunk_at[(check.file, check.lo)] = (key, c)
@@ -271,7 +296,7 @@ def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | Non
         for lo, hi in _merge(ranges):
             report.problems.append(Problem(
                 f"checksum mismatch in the chunk [{box}] (chunk bytes {c.start}-{c.end}): the data is corrupt",
-                manifest.files[f].name, key, lo, hi))
+                name_of(f), key, lo, hi))
     for f, exc in problems.errors:
-        report.problems.append(Problem(f"cannot read: {exc}", manifest.files[f].name))
-    report.bytes_checked = total + sum(manifest.files[i].header_bytes for i in usable)
+        report.problems.append(Problem(f"cannot read: {exc}", name_of(f)))
+    report.bytes_checked = total + sum(manifest.files[i].header_bytes for i in usable if i < nfiles)

@@ -1,0 +1,184 @@
+"""Incremental saves: chunks whose bytes equal the base checkpoint's are referred to, not written.
+
+A save with a base reads the base's manifest (every rank) and the indexes of the base files
+that hold the boxes this rank writes. A chunk is *referred to* when the base has a chunk of
+the same tensor (same dtype and shape) at the same box whose chunk digest (XXH3-128 over its
+blocks' XXH3-128 digests, format/refs.py) equals the digest of the bytes being saved. The
+reference copies the base chunk's location: the file that physically holds the bytes (the
+base's own file, or the file the base itself referred to), so references never chain.
+
+Cost when nothing can be skipped (dense training): the first checksum block of each chunk is
+hashed with XXH3-64 and compared with the base's first block checksum; only when they agree
+is the whole chunk hashed (XXH3-128) before the write. An opt-in memo (``version_skip``)
+skips even that for tensors whose storage and ``_version`` counter did not change since the
+last save in this process (see :class:`VersionMemo` for when that is unsafe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .engine.buffers import flat_bytes, resolved
+from .errors import CheckpointError
+from .format.checksum import checksum
+from .format.chunk_table import Chunk
+from .format.file_index import IndexedChunk
+from .format.manifest import Manifest
+from .format.refs import RefFile, block_digest, chunk_digest
+from .layout import Box
+from .plan.save_plan import Assignment
+
+HASH_PIECE = 64 << 20  # accelerator tensors are copied to host this many bytes at a time to be hashed
+
+
+@dataclass
+class Base:
+    """A save's base checkpoint: its name (a sibling of the new checkpoint), manifest, and
+    the files a reference may point at: its own files, then the files it refers to."""
+
+    name: str
+    manifest: Manifest
+    candidates: list[RefFile]
+    own_keys: dict[str, int] = field(default_factory=dict)  # tensor key -> ordinal
+
+    @staticmethod
+    def of(name: str, manifest: Manifest) -> Base:
+        """The base named ``name`` whose parsed manifest (indexes read on demand) is ``manifest``."""
+        if not manifest.indexed:
+            raise CheckpointError(f"base checkpoint '{name}' is in format {manifest.version[0]}.{manifest.version[1]}, "
+                                  "which has no chunk digests; save a full checkpoint first")
+        cands = [RefFile(name, f.name, f.nbytes) for f in manifest.files]
+        cands += [RefFile(r.checkpoint or name, r.name, r.nbytes) for r in manifest.refs]
+        return Base(name, manifest, cands, {k: i for i, k in enumerate(manifest.own_tensors())})
+
+
+@dataclass
+class Match:
+    """An assigned chunk found unchanged in the base: where its bytes are (``chunk.file``
+    numbers a base candidate) and its digest."""
+
+    chunk: Chunk
+    digest: str
+
+
+class VersionMemo:
+    """Chunk digests of the last save in this process, keyed by (tensor key, box), valid while
+    the source tensor's storage, strides and ``_version`` counter are unchanged.
+
+    ``_version`` counts in-place changes made through torch operations (optimizer steps, ``copy_``,
+    ``add_``). Changes it does not see: writes through ``tensor.data`` (a fresh counter), through
+    numpy or DLPack views, by C++ extensions or collectives writing into the memory directly. A
+    memo entry is used only with ``version_skip=True``, which asserts that none of those happen."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, Box], tuple[tuple, str]] = {}
+
+    @staticmethod
+    def state(t: torch.Tensor) -> tuple:
+        """What must be unchanged for a memo entry to hold."""
+        return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t._version)
+
+    def get(self, key: str, box: Box, t: torch.Tensor) -> str | None:
+        """The digest recorded for (key, box) when ``t`` is unchanged since, else None."""
+        found = self.entries.get((key, box))
+        return found[1] if found is not None and found[0] == self.state(t) else None
+
+    def put(self, key: str, box: Box, state: tuple, digest: str) -> None:
+        self.entries[(key, box)] = (state, digest)
+
+
+def first_block(src: torch.Tensor, block: int) -> memoryview:
+    """The first ``block`` bytes (or all of them) of ``src`` in row-major order, on the host."""
+    src = resolved(src)
+    flat = src.reshape(-1)
+    n = max(1, block // max(1, src.element_size()))
+    part = flat[:n]
+    if part.device.type != "cpu":
+        part = part.cpu()
+    return memoryview(flat_bytes(part.contiguous()).numpy())
+
+
+def full_digest(src: torch.Tensor, block: int) -> str:
+    """The chunk digest of ``src``'s bytes (row-major), hashing each block once; accelerator
+    tensors are copied to host ``HASH_PIECE`` bytes at a time."""
+    src = resolved(src)
+    flat = src.reshape(-1)
+    if flat.numel() == 0:
+        return chunk_digest([block_digest(b"")])
+    per = max(1, block // flat.element_size())
+    piece = max(per, (HASH_PIECE // block) * per)
+    digests: list[bytes] = []
+    for lo in range(0, flat.numel(), piece):
+        part = flat[lo: lo + piece]
+        if part.device.type != "cpu":
+            part = part.cpu()
+        view = memoryview(flat_bytes(part.contiguous()).numpy())
+        for b in range(0, len(view), block):
+            digests.append(block_digest(view[b: b + block]))
+    return chunk_digest(digests)
+
+
+def match(base: Base, assigned: list[Assignment], source: Any, dtypes: dict[str, str], block: int,
+          memo: VersionMemo | None) -> dict[int, Match]:
+    """The assigned chunks (by position) whose bytes equal the base's. With a ``memo``, a
+    chunk whose source is unchanged since the memo's save is not hashed again."""
+    manifest = base.manifest
+    if manifest.extra.get("checksum_block") != block:
+        return {}
+    wanted: list[tuple[int, Assignment, int, tuple[int, ...]]] = []
+    for i, a in enumerate(assigned):
+        ordinal = base.own_keys.get(a.key)
+        if ordinal is None:
+            continue
+        entry = manifest.tensors[a.key]
+        if entry.dtype != dtypes[a.key] or entry.kind == "rank_local" or len(entry.shape) != len(a.box.offsets):
+            continue
+        boxes = [b for b in entry.boxes_meeting(a.box.offsets, a.box.lengths)
+                 if tuple(b[0]) == a.box.offsets and tuple(b[1]) == a.box.lengths]
+        if len(boxes) != 1:
+            continue
+        wanted.append((i, a, ordinal, boxes[0][2]))
+    manifest.load_indexes({f for *_, f in wanted})  # at once (several requests in flight on object stores)
+    found: dict[int, Match] = {}
+    for i, a, ordinal, f in wanted:
+        hit = manifest.index(f).find(ordinal, a.box.offsets)
+        if hit is None or not hit[1]:
+            continue  # not in the index (refused on load), or a format-3.0 chunk without a digest
+        chunk, digest = hit
+        src = source(a)
+        known = memo.get(a.key, a.box, src) if memo is not None else None
+        if known is None:
+            if chunk.checksum and checksum(first_block(src, block)) != chunk.checksum[0]:
+                continue  # changed: written (and hashed) as usual
+            known = full_digest(src, block)
+        if known == digest:
+            found[i] = Match(chunk, digest)
+    return found
+
+
+def chain_depth(manifest: Manifest) -> int:
+    """How many incremental saves lead to this checkpoint from a full one (0: it refers to
+    nothing), as its manifest's ``extra.incremental.depth`` says."""
+    if not getattr(manifest, "refs", None):
+        return 0
+    inc = manifest.extra.get("incremental")
+    depth = inc.get("depth") if isinstance(inc, dict) else None
+    return depth if type(depth) is int and depth >= 0 else 1 << 30  # unknown: start a new chain
+
+
+def reference_rows(found: dict[int, Match], assigned: list[Assignment], ordinal: dict[str, int],
+                   numbering: dict[int, int]) -> list[IndexedChunk]:
+    """The index rows of the referred chunks: the new checkpoint's ordinals, the base's byte
+    ranges and checksums, ``numbering`` mapping a base candidate to the new ``refs`` number."""
+    rows = []
+    for i, m in found.items():
+        a = assigned[i]
+        rows.append(IndexedChunk(ordinal[a.key], a.box.offsets, a.box.lengths, m.chunk.start, m.chunk.end,
+                                 list(m.chunk.checksum), m.digest, numbering[m.chunk.file]))
+    return rows
+
+
+__all__ = ["Base", "Match", "VersionMemo", "chain_depth", "full_digest", "match", "reference_rows"]
