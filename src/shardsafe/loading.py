@@ -180,7 +180,8 @@ def open_files_phase(files: OpenFiles, plan: ReadPlan, threads: int = 8) -> None
     if files.spill:
         ranges: dict[int, list[tuple[int, int]]] = {}
         for f in sorted(plan.files):
-            ranges.setdefault(f, []).append((0, files.manifest.files[f].header_bytes))
+            if f < len(files.manifest.files):  # a referenced file's header is never read
+                ranges.setdefault(f, []).append((0, files.manifest.files[f].header_bytes))
         for c in plan.checks:
             ranges.setdefault(c.file, []).append((c.lo, c.hi))
         for op in plan.ops:
