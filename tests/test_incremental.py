@@ -433,3 +433,15 @@ def test_sigkill_during_saves_and_retention(tmp_path):
         if n not in committed:
             listed = json.loads((folder / n / "retired.json").read_text())["keep"]
             assert sorted(os.listdir(folder / n)) == sorted([*listed, "retired.json"])
+
+
+def test_delete_refuses_a_referenced_checkpoint(tmp_path):
+    state = make_state()
+    shardsafe.save(state, tmp_path / "a")
+    state["model"]["layer0.weight"].add_(1)
+    shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
+    with pytest.raises(CheckpointError, match=r"refer to its data \(b\)"):
+        shardsafe.delete(tmp_path / "a")
+    assert_same(state, shardsafe.load_full(tmp_path / "b"))
+    assert shardsafe.delete(tmp_path / "b") and shardsafe.delete(tmp_path / "a")
+    assert list(tmp_path.iterdir()) == []

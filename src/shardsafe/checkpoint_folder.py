@@ -132,6 +132,25 @@ def delete_checkpoint(parent: Folder, name: str) -> None:
         parent.sync()
 
 
+def referrers(parent: Folder, name: str) -> list[str]:
+    """The committed checkpoints beside ``name`` in ``parent`` whose manifests refer to data
+    files of ``name`` (incremental checkpoints); unreadable manifests are skipped."""
+    from .format.manifest import Manifest
+
+    out = []
+    for entry in sorted(parent.names()):
+        if entry == name or entry.startswith(".") or not is_committed(parent, entry):
+            continue
+        try:
+            with parent.open_folder(entry) as f:
+                manifest = Manifest.from_bytes(f.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES), entry)
+        except CheckpointError:
+            continue
+        if any(r.checkpoint == name for r in manifest.refs):
+            out.append(entry)
+    return out
+
+
 RETIRED_NAME = "retired.json"
 """In a *retired* checkpoint (no manifest: not a checkpoint any more), the data files that
 kept incremental checkpoints still refer to, as ``{"format": "shardsafe-retired", "keep": [...]}``."""

@@ -421,8 +421,9 @@ class Checkpointer:
     def delete(self, path: PathLike, storage_options: dict[str, Any] | None = None) -> bool:
         """Delete the checkpoint at ``path`` so that no reader ever sees it half deleted
         (out of sight first, then its files). Returns False when there was none; a folder
-        that is not a shardsafe checkpoint is refused (CheckpointError), never deleted."""
-        from .checkpoint_folder import delete_checkpoint, is_committed
+        that is not a shardsafe checkpoint, or one that incremental checkpoints beside it
+        refer to, is refused (CheckpointError naming them), never deleted."""
+        from .checkpoint_folder import delete_checkpoint, is_committed, referrers
 
         backend, location = self.locate(path, storage_options)
         parent_location, name = backend.split(location)
@@ -436,6 +437,12 @@ class Checkpointer:
                 return False
             if not is_committed(parent, name):
                 raise CheckpointError(f"{location} is not a shardsafe checkpoint; refusing to delete it")
+            others = referrers(parent, name)
+            if others:
+                raise CheckpointError(
+                    f"{location}: incremental checkpoints refer to its data ({', '.join(others[:5])}"
+                    f"{', ...' if len(others) > 5 else ''}); delete them first, or make them self-contained with "
+                    "'shardsafe copy' (a CheckpointManager's retention keeps what they need by itself)")
             delete_checkpoint(parent, name)
             return True
 
