@@ -120,3 +120,32 @@ def manager_chain(rank: int, world: int, folder: str, steps: int) -> list[int]:
             set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
             assert_bitwise(refs[step], full_reference(train_state(fresh, fresh_opt)))
     return kept
+
+
+def async_chain(rank: int, world: int, folder: str) -> list[int]:
+    """async_save with a base on a process group: three saves, each loaded back bitwise."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model, opt = build("fsdp", world)
+    _warm(model, opt)
+    rng = random.Random(11)
+    refs = {}
+    referred = []
+    previous = None
+    for i in range(3):
+        if i:
+            _change(model, opt, rng)
+        state = train_state(model, opt)
+        fut = shardsafe.async_save(state, f"{folder}/a{i}", base=previous)
+        fut.staged()
+        refs[i] = full_reference(state)
+        referred.append(fut.result().bytes_referred)
+        previous = f"{folder}/a{i}"
+    for i in range(3):
+        fresh, fresh_opt = build("fsdp", world)
+        _warm(fresh, fresh_opt)
+        state = train_state(fresh, fresh_opt)
+        shardsafe.load(state, f"{folder}/a{i}")
+        set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        assert_bitwise(refs[i], full_reference(train_state(fresh, fresh_opt)))
+    return referred

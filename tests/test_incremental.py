@@ -332,6 +332,11 @@ def test_fsdp2_chain_of_ten_and_reshard_4_to_2(pg_pool, tmp_path):
         assert verify_checkpoint(tmp_path / f"step-{i:08d}").ok
 
 
+def test_fsdp2_async_saves_with_base(pg_pool, tmp_path):
+    referred = pg_pool(4).run(incremental_cases.async_chain, str(tmp_path), timeout=300)
+    assert all(r[0] == 0 and r[1] > 0 and r[2] > 0 for r in referred)
+
+
 def test_fsdp2_manager_keep_last_two(pg_pool, tmp_path):
     kept = pg_pool(4).run(incremental_cases.manager_chain, str(tmp_path), 7, timeout=300)
     assert kept == [[6, 7]] * 4
