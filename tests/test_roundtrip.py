@@ -673,7 +673,7 @@ def test_manifest_is_json_and_describes_tensors(tmp_path):
     names = sorted(p.name for p in path.iterdir())
     assert names == ["data-r00000-00.index.json", "data-r00000-00.safetensors", "manifest.json"]
     body = json.loads((path / "manifest.json").read_bytes())
-    assert body["format"] == "shardsafe" and body["version"] == [3, 0]
+    assert body["format"] == "shardsafe" and body["version"] == [3, 1]
     assert body["tensors"]["a"]["dtype"] == "bfloat16" and body["tensors"]["a"]["shape"] == [2, 3]
     # The geometry table (docs/format.md): tensor "a" owns row 0, one box in file 0.
     (first, count) = body["tensors"]["a"]["chunks"]
@@ -687,6 +687,12 @@ def test_manifest_is_json_and_describes_tensors(tmp_path):
     assert index["chunks"]["t"] == [0] and index["chunks"]["o"] == [0, 0] and index["chunks"]["n"] == [2, 3]
     start, end = index["chunks"]["b"]
     assert end - start == 12 and len(index["chunks"]["x"]) == 16
+    # 3.1: the chunk digest, XXH3-128 over its blocks' XXH3-128 digests (one block here).
+    import xxhash
+
+    data = (path / "data-r00000-00.safetensors").read_bytes()[start:end]
+    assert index["version"] == [3, 1] and "refs" not in index and "refs" not in body
+    assert index["chunks"]["h"] == xxhash.xxh3_128_hexdigest(xxhash.xxh3_128_digest(data))
     assert body["tree"]["a"] == {"$tensor": "a"}
     assert body["tree"]["v"] == {"x": {"$tuple": [1, 2]}}
     assert body["tree"]["big"] == {"$int": str(2**100)}
