@@ -450,3 +450,18 @@ def test_delete_refuses_a_referenced_checkpoint(tmp_path):
     assert_same(state, shardsafe.load_full(tmp_path / "b"))
     assert shardsafe.delete(tmp_path / "b") and shardsafe.delete(tmp_path / "a")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_referred_bytes_recorded_in_the_manifest(tmp_path):
+    """The commit records the bytes referred to (every rank's, gathered with the file sizes),
+    so ``ls`` reads no index; a self-contained copy is not part of a chain."""
+    state = make_state()
+    shardsafe.save(state, tmp_path / "a")
+    state["model"]["layer0.weight"].add_(1)
+    info = shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
+    inc = shardsafe.read_manifest(tmp_path / "b", indexes=False).extra["incremental"]
+    assert inc == {"base": "a", "depth": 1, "referred_bytes": info.bytes_referred}
+    copy_checkpoint(tmp_path / "b", tmp_path / "c")
+    assert "incremental" not in shardsafe.read_manifest(tmp_path / "c", indexes=False).extra
+    (entry,) = list_checkpoints(tmp_path / "c")
+    assert entry.referred == 0 and entry.refers_to is None and entry.status == "valid"

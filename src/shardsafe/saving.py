@@ -551,7 +551,8 @@ def finish(prep: PreparedSave, results: list[FileResult], error: BaseException |
 
 def _finish(prep: PreparedSave, results: list[FileResult], error: BaseException | None) -> SaveInfo:
     comm = prep.comm
-    summary = [0, 0, 0, 0]  # has a file, its bytes, its index's bytes, the index's XXH3-64 (as int64)
+    # has a file, its bytes, its index's bytes, the index's XXH3-64 (as int64), bytes it refers to
+    summary = [0, 0, 0, 0, 0]
     if error is None and results:
         try:
             entry, index = results[0]
@@ -559,7 +560,8 @@ def _finish(prep: PreparedSave, results: list[FileResult], error: BaseException 
                 raise CheckpointError("the save's folder could not be opened on this rank")
             prep.staging.write_bytes(index_name(entry.name), index)
             digest = int(checksum(index), 16)
-            summary = [1, entry.nbytes, len(index), digest - (1 << 64) if digest >= 1 << 63 else digest]
+            summary = [1, entry.nbytes, len(index), digest - (1 << 64) if digest >= 1 << 63 else digest,
+                       sum(r.end - r.start for r in prep.ref_rows)]
         except BaseException as exc:  # noqa: BLE001 - agreed on below
             error = exc
     try:
@@ -575,7 +577,7 @@ def _finish(prep: PreparedSave, results: list[FileResult], error: BaseException 
         try:
             manifest = build_manifest(prep.plan, summaries, prep.tree, comm.world, prep.suffix, prep.refs)
             if prep.chain is not None:
-                manifest.extra["incremental"] = prep.chain
+                manifest.extra["incremental"] = {**prep.chain, "referred_bytes": sum(s[4] for s in summaries)}
             prep.target.commit(manifest.to_bytes(), prep.overwrite)
         except BaseException as exc:
             if not comm.distributed:
@@ -600,7 +602,7 @@ def build_manifest(plan: GlobalPlan, summaries: list[list[int]], tree: Any, worl
     index bytes, index digest): O(tensors + files), no chunk of a rule tensor listed."""
     files: list[FileEntry] = []
     file_of_rank: dict[int, int] = {}
-    for rank, (has, nbytes, index_bytes, digest) in enumerate(summaries):
+    for rank, (has, nbytes, index_bytes, digest, *_) in enumerate(summaries):
         if has:
             file_of_rank[rank] = len(files)
             files.append(FileEntry(data_file_name(rank, 0, file_id), nbytes, rank, 0, "", index_bytes,

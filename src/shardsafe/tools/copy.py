@@ -101,6 +101,7 @@ def copy_checkpoint(src: PathLike, dst: PathLike, *, overwrite: bool = False, wi
                                                   window)
                         refs.append(RefFile("", name, ref.nbytes))
                     out.refs = refs
+                    out.extra = {k: v for k, v in out.extra.items() if k != "incremental"}  # no longer in a chain
                 target.commit(out.to_bytes(), overwrite)
             except BaseException:
                 target.abort()

@@ -205,11 +205,16 @@ def _entry(parent: Folder, name: str, step: int | None) -> StepEntry:
 
 def _with_refs(entry: StepEntry, manifest: Manifest | None, folder: Folder) -> StepEntry:
     """``entry`` with the bytes its checkpoint refers to (read from its indexes)."""
-    if manifest is None or not manifest.refs:
-        return entry
+    if manifest is None or not any(r.checkpoint for r in manifest.refs):
+        return entry  # no references, or only to files in its own folder (a self-contained copy)
     from ..loading import index_reader
 
-    entry.refers_to = sorted({r.checkpoint or "." for r in manifest.refs})
+    entry.refers_to = sorted({r.checkpoint for r in manifest.refs if r.checkpoint})
+    inc = manifest.extra.get("incremental")
+    recorded = inc.get("referred_bytes") if isinstance(inc, dict) else None
+    if type(recorded) is int and recorded >= 0:  # recorded at save time: no index read
+        entry.referred = recorded
+        return entry
     try:
         manifest.index_source = index_reader(folder, 0, False)
         entry.referred = referred_bytes(manifest)
