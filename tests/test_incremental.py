@@ -185,7 +185,7 @@ def test_base_must_be_a_sibling_and_not_itself(tmp_path):
         shardsafe.save(state, tmp_path / "sub" / "b", base=tmp_path / "a")
     with pytest.raises(CheckpointError, match="its own base"):
         shardsafe.save(state, tmp_path / "a", base=tmp_path / "a", overwrite=True)
-    with pytest.raises(shardsafe.CheckpointNotFoundError):
+    with pytest.raises(shardsafe.BaseCheckpointError, match="nothing"):
         shardsafe.save(state, tmp_path / "b", base=tmp_path / "nothing")
     assert not (tmp_path / "b").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "sub"]
@@ -465,3 +465,146 @@ def test_referred_bytes_recorded_in_the_manifest(tmp_path):
     assert "incremental" not in shardsafe.read_manifest(tmp_path / "c", indexes=False).extra
     (entry,) = list_checkpoints(tmp_path / "c")
     assert entry.referred == 0 and entry.refers_to is None and entry.status == "valid"
+
+
+# --------------------------------------------------------------------------- review regressions
+
+
+def test_version_skip_memo_is_emptied_by_a_load(tmp_path):
+    """A load writes into tensors without bumping _version: the next version_skip save must
+    hash them again, not refer to the bytes they had before the load."""
+    cp = shardsafe.Checkpointer()
+    try:
+        w = torch.ones(300_000)
+        cp.save({"w": torch.zeros(300_000)}, tmp_path / "zeros")
+        cp.save({"w": w}, tmp_path / "a", version_skip=True)
+        version = w._version
+        cp.load({"w": w}, tmp_path / "zeros")
+        assert w._version == version and w.sum() == 0  # the counter did not move
+        cp.save({"w": w}, tmp_path / "b", base=tmp_path / "a", version_skip=True)
+        assert torch.equal(shardsafe.load_full(tmp_path / "b")["w"], torch.zeros(300_000))
+    finally:
+        cp.close()
+
+
+def test_version_skip_memo_keeps_the_storage_alive(tmp_path):
+    """A memo entry holds its source's storage: the memory cannot be reused by a new tensor
+    that would then pass for unchanged."""
+    cp = shardsafe.Checkpointer()
+    try:
+        snap = torch.ones(300_000)
+        ptr = snap.untyped_storage().data_ptr()
+        cp.save({"w": snap}, tmp_path / "a", version_skip=True)
+        del snap
+        (state, storage, _), = cp.memo.entries.values()
+        assert storage.data_ptr() == ptr and storage.nbytes() == 1_200_000
+    finally:
+        cp.close()
+
+
+def test_overwriting_or_saving_onto_referenced_data_is_refused(tmp_path):
+    state = make_state()
+    shardsafe.save(state, tmp_path / "a")
+    state["model"]["layer0.weight"].add_(1)
+    shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
+    with pytest.raises(CheckpointError, match=r"cannot replace .* refer to its data \(b\)"):
+        shardsafe.save(state, tmp_path / "a", overwrite=True)
+    assert_same(state, shardsafe.load_full(tmp_path / "b"))
+
+
+def test_manager_rewind_onto_a_retired_step_names_the_referrers(tmp_path):
+    state = make_state()
+    with CheckpointManager(tmp_path, interval=1, keep_last=1, incremental=True) as mgr:
+        mgr.save(1, state)
+        state["model"]["layer0.weight"].add_(1)
+        mgr.save(2, state)
+        assert (tmp_path / "step-00000001" / "retired.json").exists()
+        with pytest.raises(CheckpointError, match=r"retired checkpoint .*\(step-00000002\)"):
+            mgr.save(1, state)
+    assert_same(state, shardsafe.load_full(tmp_path / "step-00000002"))
+
+
+def test_damaged_base_gives_a_full_save_in_the_manager(tmp_path):
+    """A base whose data file was truncated, or whose index is corrupt, is refused as a
+    base (BaseCheckpointError, nothing written); the manager then saves in full."""
+    state = make_state()
+    shardsafe.save(state, tmp_path / "a")
+    data = next((tmp_path / "a").glob("data-*.safetensors"))
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 1)
+    with pytest.raises(shardsafe.BaseCheckpointError, match="a/data-r00000-00.safetensors"):
+        shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    run = tmp_path / "run"
+    with CheckpointManager(run, interval=1, incremental=True) as mgr:
+        mgr.save(1, state)
+        index = next((run / "step-00000001").glob("*.index.json"))
+        index.write_bytes(index.read_bytes().replace(b'"rank":0', b'"rank":7'))  # digest mismatch
+        with pytest.warns(UserWarning, match="saved in full"):
+            mgr.save(2, state)
+        assert not shardsafe.read_manifest(mgr.path(2), indexes=False).refs
+    assert_same(state, shardsafe.load_full(run / "step-00000002"))
+
+
+def test_format_2_base_refers_to_nothing(tmp_path):
+    from shardsafe.tools.format2 import write_format2
+
+    state = make_state()
+    shardsafe.save(state, tmp_path / "a")
+    write_format2(tmp_path / "a")
+    info = shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
+    assert info.bytes_referred == 0
+    assert_same(state, shardsafe.load_full(tmp_path / "b"))
+
+
+def test_retention_keeps_what_other_checkpoints_in_the_folder_refer_to(tmp_path):
+    state = make_state()
+    with CheckpointManager(tmp_path, interval=1, keep_last=1, incremental=True) as mgr:
+        mgr.save(1, state)
+        state["model"]["layer0.weight"].add_(1)
+        shardsafe.save(state, tmp_path / "best", base=mgr.path(1))  # saved by hand beside the steps
+        mgr.save(2, state)
+        mgr.save(3, state)
+    assert_same(state, shardsafe.load_full(tmp_path / "best"))
+
+
+def test_a_retired_folder_left_without_its_files_is_finished_later(tmp_path):
+    """A crash after a retired folder's files were deleted but before its retired.json:
+    the next retention deletes the rest."""
+    state = make_state()
+    with CheckpointManager(tmp_path, interval=1, keep_last=1, incremental=True, full_every=2) as mgr:
+        mgr.save(1, state)
+        state["model"]["layer0.weight"].add_(1)
+        mgr.save(2, state)  # refers to step 1: step 1 retired
+        for f in (tmp_path / "step-00000001").iterdir():
+            if f.name != "retired.json":
+                f.unlink()
+        mgr.save(3, state)  # a full save (full_every=2): step 2 deleted, step 1 referred to by nothing
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
+
+
+def test_hostile_retired_json_and_refs_do_not_crash_tools_or_retention(tmp_path):
+    from shardsafe.checkpoint_folder import _manifest_files
+    from shardsafe.storage.local import LocalBackend
+
+    state = make_state()
+    with CheckpointManager(tmp_path, interval=1, keep_last=1, incremental=True) as mgr:
+        mgr.save(1, state)
+        state["model"]["layer0.weight"].add_(1)
+        mgr.save(2, state)
+        retired = tmp_path / "step-00000001" / "retired.json"
+        for junk in (b'{"keep": 5}', b'{"keep": null}', b"[" * 100_000, b"\xff"):
+            retired.write_bytes(junk)
+            assert {e.status for e in list_checkpoints(tmp_path)} == {"retired", "valid"}
+            with LocalBackend().open(str(tmp_path / "step-00000001")) as f:
+                assert "data-r00000-00.safetensors" in _manifest_files(f)  # unreadable list: keep everything
+        mgr.save(3, state)
+        assert_same(state, shardsafe.load_full(mgr.path(3)))
+
+
+def test_a_base_tensor_named_like_a_rank_local_one(tmp_path):
+    shardsafe.save({"rng#rank0.torch": torch.zeros(10, dtype=torch.uint8), "w": torch.ones(3)}, tmp_path / "a")
+    state = {"rng": shardsafe.rank_local({"torch": torch.ones(10, dtype=torch.uint8)}), "w": torch.ones(3)}
+    shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
+    out = shardsafe.load_full(tmp_path / "b")
+    assert torch.equal(out["w"], torch.ones(3))

@@ -17,7 +17,8 @@ _WHERE: dict[str, str] = {
     **dict.fromkeys(["async_save", "default_checkpointer", "delete", "load", "load_full", "read_manifest", "save",
                      "wait_for_pending"], ".api"),
     **dict.fromkeys(["Checkpointer", "SaveFuture"], ".checkpointer"),
-    **dict.fromkeys(["CheckpointChangedError", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError",
+    **dict.fromkeys(["BaseCheckpointError", "CheckpointChangedError", "CheckpointError", "CheckpointExistsError",
+                     "CheckpointNotFoundError",
                      "CorruptCheckpointError", "DtypeMismatchError", "FormatVersionError", "KeyMismatchError",
                      "MissingKeysError", "ShapeMismatchError", "StorageError", "UnexpectedKeysError",
                      "UnsupportedValueError"], ".errors"),
@@ -49,6 +50,7 @@ __all__ = [
     "TrainState",
     "CheckpointManager",
     "CheckpointConfig",
+    "BaseCheckpointError",
     "CheckpointError",
     "CheckpointChangedError",
     "CheckpointExistsError",
@@ -98,6 +100,7 @@ if TYPE_CHECKING:  # the names above, for type checkers and IDEs
     )
     from .checkpointer import Checkpointer, SaveFuture
     from .errors import (
+        BaseCheckpointError,
         CheckpointChangedError,
         CheckpointError,
         CheckpointExistsError,

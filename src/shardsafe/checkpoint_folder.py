@@ -159,7 +159,6 @@ kept incremental checkpoints still refer to, as ``{"format": "shardsafe-retired"
 def retired_files(parent: Folder, name: str) -> set[str] | None:
     """The files retired checkpoint ``name`` keeps for others, or None when ``name`` is not
     a retired checkpoint (a committed one, or none)."""
-    import json
 
     try:
         with parent.open_folder(name) as f:
@@ -168,10 +167,17 @@ def retired_files(parent: Folder, name: str) -> set[str] | None:
             data = f.read_bytes(RETIRED_NAME, 1 << 26)
     except CheckpointError:
         return None
+    return _keep_list(data)
+
+
+def _keep_list(data: bytes) -> set[str]:
+    """The ``keep`` list of a retired.json (an empty set when it is not one)."""
+    import json
+
     try:
         keep = json.loads(data).get("keep", [])
-        return {n for n in keep if isinstance(n, str)}
-    except (ValueError, AttributeError):
+        return {n for n in keep if isinstance(n, str)} if isinstance(keep, list) else set()
+    except (ValueError, AttributeError, TypeError, RecursionError):
         return set()
 
 
@@ -192,18 +198,22 @@ def retire_checkpoint(parent: Folder, name: str, keep: set[str]) -> None:
 def prune_retired(parent: Folder, name: str, keep: set[str]) -> None:
     """Delete the files of retired checkpoint ``name`` outside ``keep``; the whole folder
     once nothing in it is referred to."""
-    if not keep:
-        parent.remove_tree(name)
-        return
     import json
 
     with parent.open_folder(name) as f:
-        if retired_files(parent, name) != keep:
+        if keep and retired_files(parent, name) != keep:
             f.write_bytes(RETIRED_NAME, json.dumps({"format": "shardsafe-retired", "keep": sorted(keep)}).encode())
         for n in f.names():
             if n not in keep and n != RETIRED_NAME:
                 with contextlib.suppress(CheckpointNotFoundError):
                     f.remove(n)
+        if keep:
+            return
+        # Nothing is referred to any more: retired.json goes last (a crash before leaves a
+        # retired folder the next retention finds again), then the empty folder.
+        with contextlib.suppress(CheckpointNotFoundError):
+            f.remove(RETIRED_NAME)
+    parent.remove_tree(name)
 
 
 def clean_leftovers(parent: Folder, name: str) -> list[str]:
@@ -251,20 +261,32 @@ def _manifest_files(folder: Folder) -> set[str]:
 
     try:
         if folder.kind(MANIFEST_NAME) is None and folder.kind(RETIRED_NAME) is not None:
-            kept = json.loads(folder.read_bytes(RETIRED_NAME, 1 << 26)).get("keep", [])
-            return {n for n in kept if isinstance(n, str)}
+            data = folder.read_bytes(RETIRED_NAME, 1 << 26)
+            kept = _keep_list(data)
+            if not kept and b'"keep": []' not in data:
+                return set(folder.names())  # unreadable list: keep everything (retention rewrites it)
+            return kept
         data = folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
         body = json.loads(data[: data.rfind(b', "manifest_xxh3_64"')] + b"}")
         files = body.get("files", [])
         if isinstance(files, dict):  # format 3: names follow from ranks and the save id; each has an index
             names = [data_name(r, files.get("id", "")) for r in files.get("rank", []) if isinstance(r, int)]
-            refs = body.get("refs") or {}
-            own = [n for c, n in zip(refs.get("c", []), refs.get("name", []))
-                   if isinstance(n, str) and isinstance(c, int) and refs.get("checkpoints", [None] * (c + 1))[c] == ""]
-            return set(names) | {index_name(n) for n in names} | set(own)
+            return set(names) | {index_name(n) for n in names} | _own_refs(body.get("refs"))
         return {f["name"] for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)}
-    except (CheckpointError, ValueError, TypeError, AttributeError):
+    except (CheckpointError, ValueError, TypeError, AttributeError, RecursionError):
         return set()
+
+
+def _own_refs(refs: object) -> set[str]:
+    """The referenced files a manifest's ``refs`` places in the checkpoint's own folder
+    (a self-contained copy's ``ref-*`` files); nothing when ``refs`` is malformed."""
+    if not isinstance(refs, dict):
+        return set()
+    checkpoints, cs, names = refs.get("checkpoints"), refs.get("c"), refs.get("name")
+    if not (isinstance(checkpoints, list) and isinstance(cs, list) and isinstance(names, list)):
+        return set()
+    return {n for c, n in zip(cs, names)
+            if isinstance(n, str) and type(c) is int and 0 <= c < len(checkpoints) and checkpoints[c] == ""}
 
 
 def clean_in_place(folder: Folder, now: float | None = None) -> list[str]:
@@ -307,7 +329,18 @@ def check_target(parent: Folder, name: str, overwrite: bool) -> None:
     if is_committed(parent, name):
         if not overwrite:
             raise CheckpointExistsError(f"a checkpoint already exists at {where}; pass overwrite=True to replace it")
+        others = referrers(parent, name)
+        if others:
+            raise CheckpointError(
+                f"cannot replace the checkpoint at {where}: incremental checkpoints refer to its data "
+                f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); delete them first (or make them "
+                "self-contained with 'shardsafe copy')")
         return
+    if retired_files(parent, name) is not None:
+        others = referrers(parent, name)
+        raise CheckpointError(
+            f"cannot save to {where}: it is a retired checkpoint that keeps data files incremental checkpoints refer "
+            f"to ({', '.join(others[:5]) or 'none committed'}); delete those first")
     with parent.open_folder(name) as f:
         names = f.names()
         if not parent.can_rename:  # in place: a killed save's data files may be there, nothing else

@@ -299,6 +299,7 @@ class Checkpointer:
              broadcast_replicated: bool | None = None, storage_options: dict[str, Any] | None = None) -> LoadInfo:
         """Load the checkpoint at ``path`` into ``state_dict`` in place; see :func:`shardsafe.load`."""
         self._check_open()
+        VersionMemo.forget_all()  # the load writes into tensors without bumping their _version
         comm = resolve(process_group)
         backend, location = self.locate(path, storage_options)
         bcast = backend.remote if broadcast_replicated is None else broadcast_replicated

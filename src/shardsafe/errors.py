@@ -47,6 +47,12 @@ class CheckpointChangedError(CorruptCheckpointError):
     """The checkpoint was deleted or replaced while it was being read (loads retry)."""
 
 
+class BaseCheckpointError(CheckpointError):
+    """An incremental save's base checkpoint cannot be used (missing, corrupt, or a file it
+    would refer to is missing or resized); nothing was written. A CheckpointManager then
+    saves in full."""
+
+
 class FormatVersionError(CheckpointError):
     """The checkpoint was written in a format version this reader does not understand."""
 

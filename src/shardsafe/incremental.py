@@ -16,13 +16,13 @@ last save in this process (see :class:`VersionMemo` for when that is unsafe).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .engine.buffers import flat_bytes, resolved
-from .errors import CheckpointError
 from .format.checksum import checksum
 from .format.chunk_table import Chunk
 from .format.file_index import IndexedChunk
@@ -46,10 +46,10 @@ class Base:
 
     @staticmethod
     def of(name: str, manifest: Manifest) -> Base:
-        """The base named ``name`` whose parsed manifest (indexes read on demand) is ``manifest``."""
+        """The base named ``name`` whose parsed manifest (indexes read on demand) is ``manifest``
+        (a format 1 or 2 base has no chunk digests: nothing can be referred to)."""
         if not manifest.indexed:
-            raise CheckpointError(f"base checkpoint '{name}' is in format {manifest.version[0]}.{manifest.version[1]}, "
-                                  "which has no chunk digests; save a full checkpoint first")
+            return Base(name, manifest, [])
         cands = [RefFile(name, f.name, f.nbytes) for f in manifest.files]
         cands += [RefFile(r.checkpoint or name, r.name, r.nbytes) for r in manifest.refs]
         return Base(name, manifest, cands, {k: i for i, k in enumerate(manifest.own_tensors())})
@@ -64,9 +64,18 @@ class Match:
     digest: str
 
 
+_MEMOS: weakref.WeakSet[VersionMemo] = weakref.WeakSet()
+
+
 class VersionMemo:
-    """Chunk digests of the last save in this process, keyed by (tensor key, box), valid while
+    """Chunk digests of a Checkpointer's last save, keyed by (tensor key, box), valid while
     the source tensor's storage, strides and ``_version`` counter are unchanged.
+
+    Each entry holds a reference to the source's storage, so that memory cannot be freed
+    and reused by another tensor while the entry lives (a fresh tensor at a reused address
+    with the same counter would pass for unchanged); entries are replaced at every save.
+    Every shardsafe load into live tensors empties every memo (a load writes without bumping
+    ``_version``).
 
     ``_version`` counts in-place changes made through torch operations (optimizer steps, ``copy_``,
     ``add_``). Changes it does not see: writes through ``tensor.data`` (a fresh counter), through
@@ -74,20 +83,31 @@ class VersionMemo:
     memo entry is used only with ``version_skip=True``, which asserts that none of those happen."""
 
     def __init__(self) -> None:
-        self.entries: dict[tuple[str, Box], tuple[tuple, str]] = {}
+        self.entries: dict[tuple[str, Box], tuple[tuple, Any, str]] = {}
+        _MEMOS.add(self)
 
     @staticmethod
-    def state(t: torch.Tensor) -> tuple:
-        """What must be unchanged for a memo entry to hold."""
-        return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t._version)
+    def state(t: torch.Tensor) -> tuple[tuple, Any]:
+        """What must be unchanged for a memo entry to hold, and the storage to keep alive."""
+        return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t._version), t.untyped_storage()
 
     def get(self, key: str, box: Box, t: torch.Tensor) -> str | None:
         """The digest recorded for (key, box) when ``t`` is unchanged since, else None."""
         found = self.entries.get((key, box))
-        return found[1] if found is not None and found[0] == self.state(t) else None
+        if found is None:
+            return None
+        state, storage, digest = found
+        return digest if state == self.state(t)[0] and storage.data_ptr() == t.untyped_storage().data_ptr() else None
 
-    def put(self, key: str, box: Box, state: tuple, digest: str) -> None:
-        self.entries[(key, box)] = (state, digest)
+    def replace(self, entries: dict[tuple[str, Box], tuple[tuple, Any, str]]) -> None:
+        """Make ``entries`` (a committed save's) the memo's only entries."""
+        self.entries = entries
+
+    @staticmethod
+    def forget_all() -> None:
+        """Empty every memo of the process (before a load writes into live tensors)."""
+        for memo in list(_MEMOS):
+            memo.entries = {}
 
 
 def first_block(src: torch.Tensor, block: int) -> memoryview:
@@ -121,20 +141,22 @@ def full_digest(src: torch.Tensor, block: int) -> str:
     return chunk_digest(digests)
 
 
-def match(base: Base, assigned: list[Assignment], source: Any, dtypes: dict[str, str], block: int,
-          memo: VersionMemo | None) -> dict[int, Match]:
-    """The assigned chunks (by position) whose bytes equal the base's. With a ``memo``, a
-    chunk whose source is unchanged since the memo's save is not hashed again."""
+def match(base: Base, assigned: list[Assignment], source: Any, meta: dict[str, tuple[str, tuple[int, ...]]],
+          block: int, memo: VersionMemo | None) -> dict[int, Match]:
+    """The assigned chunks (by position) whose bytes equal the base's; ``meta`` holds the
+    (dtype, global shape) of every tensor that may be referred to (not rank-local ones).
+    With a ``memo``, a chunk whose source is unchanged since the memo's save is not hashed
+    again."""
     manifest = base.manifest
-    if manifest.extra.get("checksum_block") != block:
+    if manifest.extra.get("checksum_block") != block or not base.candidates:
         return {}
     wanted: list[tuple[int, Assignment, int, tuple[int, ...]]] = []
     for i, a in enumerate(assigned):
         ordinal = base.own_keys.get(a.key)
-        if ordinal is None:
+        if ordinal is None or a.key not in meta:
             continue
         entry = manifest.tensors[a.key]
-        if entry.dtype != dtypes[a.key] or entry.kind == "rank_local" or len(entry.shape) != len(a.box.offsets):
+        if (entry.dtype, tuple(entry.shape)) != meta[a.key] or entry.kind == "rank_local":
             continue
         boxes = [b for b in entry.boxes_meeting(a.box.offsets, a.box.lengths)
                  if tuple(b[0]) == a.box.offsets and tuple(b[1]) == a.box.lengths]

@@ -40,7 +40,13 @@ from .checkpoint_folder import (
 )
 from .checkpointer import Checkpointer, SaveFuture
 from .comm import resolve
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from .errors import (
+    BaseCheckpointError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+)
 from .hints import warn_user
 from .incremental import chain_depth
 from .steps import parse_step, step_name
@@ -312,15 +318,26 @@ class CheckpointManager:
         path = self.path(step)
         base = self._base_for(step)
         skip = self.config.version_skip and self.config.incremental
+
+        def start(base: Path | str | None) -> SaveFuture | None:
+            if not self._async:
+                self.checkpointer.save(state, path, overwrite=True, process_group=self.process_group, base=base,
+                                       version_skip=skip)
+                return None
+            return self.checkpointer.async_save(state, path, overwrite=True, process_group=self.process_group,
+                                                max_staging_bytes=self.config.max_staging_bytes, base=base,
+                                                version_skip=skip)
+
+        try:
+            future = start(base)
+        except BaseCheckpointError as exc:  # every rank got it: every rank saves in full instead
+            warn_user(f"step {step}: saved in full, its base cannot be used: {exc}")
+            future = start(None)
         if not self._async:
-            self.checkpointer.save(state, path, overwrite=True, process_group=self.process_group, base=base,
-                                   version_skip=skip)
             self._retain(protect=step)
             return None
         self._pending_step = step
-        self.last_future = self.checkpointer.async_save(state, path, overwrite=True, process_group=self.process_group,
-                                                        max_staging_bytes=self.config.max_staging_bytes, base=base,
-                                                        version_skip=skip)
+        self.last_future = future
         return self.last_future
 
     def _base_for(self, step: int) -> Path | str | None:
@@ -371,7 +388,7 @@ class CheckpointManager:
         if self._loaded_step is not None:
             keep.add(self._loaded_step)
         try:
-            needed = self._referenced(sorted(s for s in steps if s in keep))
+            needed = self._referenced(sorted(s for s in steps if s in keep), set(steps))
         except CheckpointError as exc:  # unreadable kept manifest: delete nothing this time
             warn_user(f"retention skipped: {exc}")
             return
@@ -396,11 +413,17 @@ class CheckpointManager:
                     with contextlib.suppress(CheckpointError):
                         prune_retired(f, name, needed.get(name, set()))
 
-    def _referenced(self, steps: list[int]) -> dict[str, set[str]]:
-        """Checkpoint name -> the data files in it that the checkpoints of ``steps`` refer to."""
+    def _referenced(self, kept: list[int], steps: set[int]) -> dict[str, set[str]]:
+        """Checkpoint name -> the data files in it that the kept steps, and any other
+        committed checkpoint in the folder (one saved there by hand, not a step), refer to."""
+        paths = [self.path(s) for s in kept]
+        with self._open() as f:
+            for name in sorted(f.names()):
+                if not name.startswith(".") and parse_step(name) not in steps and is_committed(f, name):
+                    paths.append(_join(self.folder, name))
         out: dict[str, set[str]] = {}
-        for s in steps:
-            m = self.checkpointer.read_manifest(self.path(s), indexes=False)
+        for path in paths:
+            m = self.checkpointer.read_manifest(path, indexes=False)
             for r in m.refs:
                 if r.checkpoint:
                     out.setdefault(r.checkpoint, set()).add(r.name)

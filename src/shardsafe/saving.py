@@ -39,7 +39,7 @@ from .comm import Comm, rebuild
 from .comm import describe as describe_error
 from .engine.buffers import flat_bytes
 from .engine.writer import WrittenFile
-from .errors import CheckpointError, UnsupportedValueError
+from .errors import BaseCheckpointError, CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from .format.checksum import checksum
 from .format.dtypes import dtype_name, safetensors_code
 from .format.file_index import IndexedChunk, build_index, index_name
@@ -311,7 +311,12 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
             error = exc
     mine = (None if error is None else describe_error(error, comm.rank), None,
             described.tree_digest if described else "", tmp, described.signature if described else "", digests)
-    gathered = comm.all_gather(mine)
+    try:
+        gathered = comm.all_gather(mine)
+    except BaseException:
+        if opened_base is not None:
+            opened_base.close()
+        raise
     staging: Folder | None = None
     staging_error: BaseException | None = None
     refs: list[RefFile] = []
@@ -374,7 +379,10 @@ def open_base(backend: Backend, location: str, base: str) -> Opened:
                               "(references name their checkpoint by its name in that folder)")
     if base_name == name:
         raise CheckpointError(f"a checkpoint cannot be its own base: {location}")
-    return read_manifest_phase(backend, base)
+    try:
+        return read_manifest_phase(backend, base)
+    except CheckpointError as exc:
+        raise BaseCheckpointError(f"base checkpoint {base} cannot be used: {exc}") from exc
 
 
 def _refer(comm: Comm, described: Described, plan: GlobalPlan, assigned: list, opened: Opened, base_name: str,
@@ -385,21 +393,24 @@ def _refer(comm: Comm, described: Described, plan: GlobalPlan, assigned: list, o
     error: BaseException | None = None
     found: dict = {}
     base: Base | None = None
+    mine: set[int] = set()
     try:
         base = Base.of(base_name, opened.manifest)
         for c in base.candidates:
             if c.checkpoint == target_name:
                 raise CheckpointError(f"base checkpoint '{base_name}' refers to data in '{target_name}', which this "
                                       "save would replace")
-        dtypes = {tl.key: tl.dtype for tl in described.layouts}
-        found = match(base, assigned, described.source, dtypes, CHECKSUM_BLOCK, memo)
+        meta = {tl.key: (tl.dtype, tuple(tl.shape)) for tl in described.layouts}
+        try:
+            found = match(base, assigned, described.source, meta, CHECKSUM_BLOCK, memo)
+            mine = {m.chunk.file for m in found.values()}
+            _check_referenced(opened, base, mine)
+        except CheckpointError as exc:
+            raise BaseCheckpointError(f"base checkpoint '{base_name}' cannot be used: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
-    comm.agree(error)
+    comm.agree(error, opened.digest, " as the base")  # every rank matched against the same manifest
     assert base is not None
-    mine = set()
-    for m in found.values():
-        mine.add(m.chunk.file)
     used = comm.all_max([1 if j in mine else 0 for j in range(len(base.candidates))])
     numbering: dict[int, int] = {}
     refs: list[RefFile] = []
@@ -409,6 +420,31 @@ def _refer(comm: Comm, described: Described, plan: GlobalPlan, assigned: list, o
             refs.append(base.candidates[j])
     rows = reference_rows(found, assigned, plan.ordinal(), numbering)
     return refs, rows, [a for i, a in enumerate(assigned) if i not in found]
+
+
+def _check_referenced(opened: Opened, base: Base, files: set[int]) -> None:
+    """The files this rank would refer to exist with the size the base recorded (a base
+    damaged since its save is noticed now, not by the new checkpoint's loads)."""
+    for j in sorted(files):
+        ref = base.candidates[j]
+        if ref.checkpoint == base.name:
+            folder, close = opened.folder, False
+        else:
+            assert opened.siblings is not None
+            try:
+                folder, close = opened.siblings(ref.checkpoint), True
+            except CheckpointError as exc:
+                raise CorruptCheckpointError(f"it refers to checkpoint '{ref.checkpoint}', which is missing "
+                                             f"({exc})") from None
+        try:
+            size = folder.size(ref.name) if folder.kind(ref.name) == "file" else None
+        finally:
+            if close:
+                folder.close()
+        if size != ref.nbytes:
+            raise CorruptCheckpointError(
+                f"data file {folder.where(ref.name)} is {'missing' if size is None else f'{size} bytes'}, "
+                f"{ref.nbytes} recorded")
 
 
 def _group_ranks(comm: Comm) -> dict[int, int] | None:
@@ -529,10 +565,12 @@ def file_result(prep: PreparedSave, written: WrittenFile) -> FileResult:
 def remember(prep: PreparedSave, memo: VersionMemo) -> None:
     """After a committed save: record each chunk's digest with its source's state, so the
     next save with ``version_skip`` need not hash what did not change."""
-    for kb, state in prep.memo_states.items():
+    entries = {}
+    for kb, (state, storage) in prep.memo_states.items():
         digest = prep.digests.get(kb)
         if digest:
-            memo.put(kb[0], kb[1], state, digest)
+            entries[kb] = (state, storage, digest)
+    memo.replace(entries)
 
 
 def finish(prep: PreparedSave, results: list[FileResult], error: BaseException | None) -> SaveInfo:
