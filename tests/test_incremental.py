@@ -581,6 +581,9 @@ def test_a_retired_folder_left_without_its_files_is_finished_later(tmp_path):
                 f.unlink()
         mgr.save(3, state)  # a full save (full_every=2): step 2 deleted, step 1 referred to by nothing
         assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
+        (tmp_path / "step-00000002").mkdir()  # a prune cut short inside its last folder removal
+        mgr.save(4, state)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004"]
 
 
 def test_hostile_retired_json_and_refs_do_not_crash_tools_or_retention(tmp_path):

@@ -412,6 +412,12 @@ class CheckpointManager:
                 if kept is not None and kept != needed.get(name, set()):
                     with contextlib.suppress(CheckpointError):
                         prune_retired(f, name, needed.get(name, set()))
+                elif kept is None and name not in needed and f.kind(name) == "dir":
+                    with contextlib.suppress(CheckpointError):  # emptied by a prune cut short: remove it
+                        with f.open_folder(name) as sub:
+                            empty = not sub.names()
+                        if empty:
+                            f.remove_tree(name)
 
     def _referenced(self, kept: list[int], steps: set[int]) -> dict[str, set[str]]:
         """Checkpoint name -> the data files in it that the kept steps, and any other
