@@ -25,6 +25,7 @@ bench: install
 	$(PY) benchmarks/bench_broadcast.py
 	$(PY) benchmarks/bench_planning.py
 	$(PY) benchmarks/bench_scale.py
+	$(PY) benchmarks/bench_incremental.py
 	$(PY) benchmarks/bench_async.py
 	$(PY) benchmarks/bench_export.py
 	$(PY) benchmarks/bench_s3.py
