@@ -38,6 +38,18 @@ def _warm(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
+def _load_and_compare(world: int, path: str, ref: dict) -> None:
+    """Load ``path`` into a fresh FSDP2 model and optimizer; compare with ``ref`` bitwise."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model, opt = build("fsdp", world)
+    _warm(model, opt)
+    state = train_state(model, opt)
+    shardsafe.load(state, path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert_bitwise(ref, full_reference(train_state(model, opt)))
+
+
 def chain_of_saves(rank: int, world: int, folder: str, saves: int, refs_path: str) -> dict:
     """FSDP2: ``saves`` checkpoints, each incremental on the previous one, with a random
     subset of parameters changed in between; each checkpoint reloaded into a fresh model
@@ -83,16 +95,10 @@ def chain_of_saves(rank: int, world: int, folder: str, saves: int, refs_path: st
 
 def load_chain_resharded(rank: int, world: int, folder: str, saves: int, refs_path: str) -> int:
     """Load every checkpoint of :func:`chain_of_saves` on another world size and compare."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     refs = torch.load(refs_path, weights_only=True)
     for i in range(saves):
-        model, opt = build("fsdp", world)
-        _warm(model, opt)
-        state = train_state(model, opt)
-        shardsafe.load(state, f"{folder}/step-{i:08d}")
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        assert_bitwise(refs[i], full_reference(train_state(model, opt)))
+        _load_and_compare(world, f"{folder}/step-{i:08d}", refs[i])
     return saves
 
 
@@ -124,7 +130,6 @@ def manager_chain(rank: int, world: int, folder: str, steps: int) -> list[int]:
 
 def async_chain(rank: int, world: int, folder: str) -> list[int]:
     """async_save with a base on a process group: three saves, each loaded back bitwise."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     model, opt = build("fsdp", world)
     _warm(model, opt)
@@ -142,10 +147,5 @@ def async_chain(rank: int, world: int, folder: str) -> list[int]:
         referred.append(fut.result().bytes_referred)
         previous = f"{folder}/a{i}"
     for i in range(3):
-        fresh, fresh_opt = build("fsdp", world)
-        _warm(fresh, fresh_opt)
-        state = train_state(fresh, fresh_opt)
-        shardsafe.load(state, f"{folder}/a{i}")
-        set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        assert_bitwise(refs[i], full_reference(train_state(fresh, fresh_opt)))
+        _load_and_compare(world, f"{folder}/a{i}", refs[i])
     return referred

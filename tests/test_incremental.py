@@ -68,6 +68,15 @@ def tensors_of(state, prefix=""):
     return out
 
 
+def a_then_b(tmp_path: Path) -> dict:
+    """Checkpoint "a" of a state, then "b" on base "a" with one tensor changed; the state."""
+    state = make_state()
+    shardsafe.save(state, tmp_path / "a")
+    state["model"]["layer0.weight"].add_(1)
+    shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
+    return state
+
+
 def holders(path: Path) -> dict[str, str]:
     """Tensor key -> the checkpoint that holds its bytes ("." = this one)."""
     out = {}
@@ -192,10 +201,7 @@ def test_base_must_be_a_sibling_and_not_itself(tmp_path):
 
 
 def test_corrupted_referenced_block_fails_load_and_leaves_model_untouched(tmp_path):
-    state = make_state()
-    shardsafe.save(state, tmp_path / "a")
-    state["model"]["layer0.weight"].add_(1)
-    shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
+    a_then_b(tmp_path)
     data = next((tmp_path / "a").glob("data-*.safetensors"))
     m = shardsafe.read_manifest(tmp_path / "a")
     chunk = m.tensors["model.layer4.weight"].chunks[0]
@@ -215,10 +221,7 @@ def test_corrupted_referenced_block_fails_load_and_leaves_model_untouched(tmp_pa
 
 
 def test_deleted_base_is_reported_by_name(tmp_path):
-    state = make_state()
-    shardsafe.save(state, tmp_path / "a")
-    state["model"]["layer0.weight"].add_(1)
-    shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
+    a_then_b(tmp_path)
     shutil.rmtree(tmp_path / "a")
     with pytest.raises(CheckpointError, match="checkpoint 'a'.*missing"):
         shardsafe.load_full(tmp_path / "b")
@@ -227,10 +230,7 @@ def test_deleted_base_is_reported_by_name(tmp_path):
 
 
 def test_tools_ls_verify_inspect_copy(tmp_path):
-    state = make_state()
-    shardsafe.save(state, tmp_path / "a")
-    state["model"]["layer0.weight"].add_(1)
-    shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
+    state = a_then_b(tmp_path)
     total = sum(t.nbytes for t in tensors_of(state).values())
     changed = state["model"]["layer0.weight"].nbytes
     (entry,) = list_checkpoints(tmp_path / "b")
@@ -262,10 +262,7 @@ def test_format_3_1_refs_refused_when_hostile(tmp_path):
     shadows the manifest is refused before anything is opened."""
     from shardsafe.format.manifest import Manifest
 
-    state = make_state()
-    shardsafe.save(state, tmp_path / "a")
-    state["model"]["layer0.weight"].add_(1)
-    shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
+    a_then_b(tmp_path)
     m = shardsafe.read_manifest(tmp_path / "b", indexes=False)
     for bad_ckpt, bad_name, what in (("../x", "data-r00000-00.safetensors", "plain folder names"),
                                      ("", MANIFEST_NAME, "name of its manifest"),
@@ -441,10 +438,7 @@ def test_sigkill_during_saves_and_retention(tmp_path):
 
 
 def test_delete_refuses_a_referenced_checkpoint(tmp_path):
-    state = make_state()
-    shardsafe.save(state, tmp_path / "a")
-    state["model"]["layer0.weight"].add_(1)
-    shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
+    state = a_then_b(tmp_path)
     with pytest.raises(CheckpointError, match=r"refer to its data \(b\)"):
         shardsafe.delete(tmp_path / "a")
     assert_same(state, shardsafe.load_full(tmp_path / "b"))
@@ -503,10 +497,7 @@ def test_version_skip_memo_keeps_the_storage_alive(tmp_path):
 
 
 def test_overwriting_or_saving_onto_referenced_data_is_refused(tmp_path):
-    state = make_state()
-    shardsafe.save(state, tmp_path / "a")
-    state["model"]["layer0.weight"].add_(1)
-    shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
+    state = a_then_b(tmp_path)
     with pytest.raises(CheckpointError, match=r"cannot replace .* refer to its data \(b\)"):
         shardsafe.save(state, tmp_path / "a", overwrite=True)
     assert_same(state, shardsafe.load_full(tmp_path / "b"))

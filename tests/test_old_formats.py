@@ -1,8 +1,8 @@
 """Checkpoints written by older shardsafe releases keep loading, bitwise.
 
 ``assets/format2/fsdp_tp`` was written by the last release that wrote format 2.0 (commit
-98d6641; see ``assets/format2/make_assets.py``), ``assets/format3_0/fsdp_tp`` by the last
-that wrote format 3.0 (commit 57f503f, before chunk digests and references): the suite's
+98d6641), ``assets/format3_0/fsdp_tp`` by the last that wrote format 3.0 (commit 57f503f,
+before chunk digests and references), both by ``assets/make_old_format.py``: the suite's
 Tiny model + AdamW on 4 ranks under FSDP2 over tensor parallelism. Format 1.0 is covered in
 test_corruption.py."""
 
