@@ -572,9 +572,16 @@ def test_a_retired_folder_left_without_its_files_is_finished_later(tmp_path):
                 f.unlink()
         mgr.save(3, state)  # a full save (full_every=2): step 2 deleted, step 1 referred to by nothing
         assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
-        (tmp_path / "step-00000002").mkdir()  # a prune cut short inside its last folder removal
+        (tmp_path / "step-00000002").mkdir()  # a user's own empty folder: never shardsafe's to delete
         mgr.save(4, state)
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003", "step-00000004"]
+    # A prune cut short leaves its folder out of sight (renamed before deletion): the next
+    # manager's first save deletes it.
+    (tmp_path / ".step-00000001.shardsafe-del-0123456789ab").mkdir()
+    (tmp_path / ".step-00000001.shardsafe-del-0123456789ab" / "retired.json").write_text("{}")
+    with CheckpointManager(tmp_path, interval=1, keep_last=1, incremental=True, full_every=2) as mgr:
+        mgr.save(5, state)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_hostile_retired_json_and_refs_do_not_crash_tools_or_retention(tmp_path):
@@ -602,3 +609,85 @@ def test_a_base_tensor_named_like_a_rank_local_one(tmp_path):
     shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
     out = shardsafe.load_full(tmp_path / "b")
     assert torch.equal(out["w"], torch.ones(3))
+
+
+# --------------------------------------------------------------------------- second review
+
+
+def test_version_skip_memo_of_an_async_save_overtaken_by_a_load(tmp_path):
+    """A load while an async version_skip save is still committing: the save's memo (taken
+    before the load) is not recorded, so the next save hashes the loaded-over tensor."""
+    cp = shardsafe.Checkpointer()
+    try:
+        w = torch.ones(2_000_000)
+        cp.save({"w": torch.zeros(2_000_000)}, tmp_path / "zeros")
+        fut = cp.async_save({"w": w}, tmp_path / "a", version_skip=True)
+        fut.staged()
+        cp.load({"w": w}, tmp_path / "zeros")  # may overlap the background commit
+        fut.result()
+        cp.save({"w": w}, tmp_path / "b", base=tmp_path / "a", version_skip=True)
+        assert torch.equal(shardsafe.load_full(tmp_path / "b")["w"], torch.zeros(2_000_000))
+    finally:
+        cp.close()
+
+
+def test_version_skip_with_inference_tensors_and_memo_release(tmp_path):
+    cp = shardsafe.Checkpointer()
+    try:
+        with torch.inference_mode():
+            t = torch.ones(100_000)
+        cp.save({"t": t}, tmp_path / "a", version_skip=True)  # no version counter: simply not memoized
+        cp.save({"t": t}, tmp_path / "b", base=tmp_path / "a", version_skip=True)
+        assert torch.equal(shardsafe.load_full(tmp_path / "b")["t"], t)
+        cp.save({"u": torch.ones(100_000)}, tmp_path / "c", version_skip=True)
+        assert len(cp.memo.entries) == 1
+        cp.save({"u": torch.ones(100_000)}, tmp_path / "d")  # a save without version_skip drops the memo
+        assert cp.memo.entries == {}
+        cp.save({"u": torch.ones(100_000)}, tmp_path / "e", version_skip=True)
+    finally:
+        cp.close()
+    assert cp.memo.entries == {}  # close() releases the storages it held
+
+
+def test_foreign_manifest_or_user_folder_does_not_stop_retention(tmp_path):
+    (tmp_path / "wandb-export").mkdir()
+    (tmp_path / "wandb-export" / "manifest.json").write_text("not ours")
+    with CheckpointManager(tmp_path, interval=1, keep_last=2) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, {"w": torch.full((10,), float(step))})
+        assert mgr.steps() == [3, 4]
+    assert (tmp_path / "wandb-export" / "manifest.json").read_text() == "not ours"
+
+
+def test_unreferenced_retired_folder_can_be_deleted_or_saved_onto(tmp_path):
+    state = make_state()
+    with CheckpointManager(tmp_path, interval=1, keep_last=1, incremental=True) as mgr:
+        mgr.save(1, state)
+        state["model"]["layer0.weight"].add_(1)
+        mgr.save(2, state)
+    assert (tmp_path / "step-00000001" / "retired.json").exists()
+    with pytest.raises(CheckpointError, match="refer to its data"):
+        shardsafe.delete(tmp_path / "step-00000001")
+    assert shardsafe.delete(tmp_path / "step-00000002")
+    shardsafe.save(state, tmp_path / "step-00000001")  # nothing refers to the retired one any more
+    assert_same(state, shardsafe.load_full(tmp_path / "step-00000001"))
+    with CheckpointManager(tmp_path / "other", interval=1, keep_last=1, incremental=True) as mgr:
+        mgr.save(1, state)
+        state["model"]["layer0.weight"].add_(1)
+        mgr.save(2, state)
+        assert shardsafe.delete(mgr.path(2))
+        assert shardsafe.delete(mgr.path(1))  # retired, referred to by nothing: deleted
+    assert list((tmp_path / "other").iterdir()) == []
+
+
+def test_killed_save_cleanup_deletes_nothing_beside_an_unreadable_manifest(tmp_path):
+    from shardsafe.checkpoint_folder import clean_in_place
+    from shardsafe.storage.local import LocalBackend
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "manifest.json").write_bytes(b"\x00garbage")
+    (folder / "data-r00000-00.safetensors").write_bytes(b"x" * 64)
+    with LocalBackend().open(str(folder)) as f:
+        assert clean_in_place(f, now=time.time() + 7 * 3600) == []
+    assert (folder / "data-r00000-00.safetensors").exists()

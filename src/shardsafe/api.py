@@ -57,8 +57,10 @@ def save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
     :class:`CheckpointManager` (it keeps referenced files) or make a self-contained copy
     with ``shardsafe copy``. ``version_skip=True`` (with ``base``) trusts tensors' ``_version``
     counters: a chunk whose source tensor kept its storage and counter since this
-    Checkpointer's last save is not hashed again (unsafe if tensors are changed through
-    ``.data``, numpy or DLPack views, or by code that bypasses torch's version counter)."""
+    Checkpointer's last save is not hashed again. Unsafe with fused optimizers
+    (``fused=True``: their steps leave ``_version`` unchanged) and with writes through
+    ``.data``, numpy or DLPack views or other code that bypasses the counter
+    (docs/incremental.md)."""
     return default_checkpointer().save(state_dict, path, overwrite=overwrite, process_group=process_group,
                                        check_replicas=check_replicas, storage_options=storage_options, base=base,
                                        version_skip=version_skip)

@@ -134,7 +134,10 @@ def delete_checkpoint(parent: Folder, name: str) -> None:
 
 def referrers(parent: Folder, name: str) -> list[str]:
     """The committed checkpoints beside ``name`` in ``parent`` whose manifests refer to data
-    files of ``name`` (incremental checkpoints); unreadable manifests are skipped."""
+    files of ``name`` (incremental checkpoints); unreadable manifests are skipped. A
+    manifest is parsed only when its bytes hold a ``refs`` member and ``name``."""
+    import json
+
     from .format.manifest import Manifest
 
     out = []
@@ -143,7 +146,10 @@ def referrers(parent: Folder, name: str) -> list[str]:
             continue
         try:
             with parent.open_folder(entry) as f:
-                manifest = Manifest.from_bytes(f.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES), entry)
+                data = f.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+            if b'"refs":' not in data or json.dumps(name).encode() not in data:
+                continue  # no references, or none that can name ``name``: no parse needed
+            manifest = Manifest.from_bytes(data, entry)
         except CheckpointError:
             continue
         if any(r.checkpoint == name for r in manifest.refs):
@@ -209,11 +215,9 @@ def prune_retired(parent: Folder, name: str, keep: set[str]) -> None:
                     f.remove(n)
         if keep:
             return
-        # Nothing is referred to any more: retired.json goes last (a crash before leaves a
-        # retired folder the next retention finds again), then the empty folder.
-        with contextlib.suppress(CheckpointNotFoundError):
-            f.remove(RETIRED_NAME)
-    parent.remove_tree(name)
+    # Nothing is referred to any more: out of sight first where renames exist (a crash then
+    # leaves a -del- sibling, which the next save's cleaning deletes), else retired.json last.
+    delete_checkpoint(parent, name)
 
 
 def clean_leftovers(parent: Folder, name: str) -> list[str]:
@@ -255,12 +259,16 @@ def _is_data(name: str, suffix: str = "") -> bool:
         name.endswith(suffix + DATA_SUFFIX) or name.endswith(suffix + INDEX_SUFFIX))
 
 
-def _manifest_files(folder: Folder) -> set[str]:
-    """The data file names the manifest in ``folder`` lists (empty without a readable one)."""
+def _manifest_files(folder: Folder) -> set[str] | None:
+    """The data file names the manifest in ``folder`` lists (with no manifest, the files a
+    retired.json keeps, or none); None when a manifest or retired.json is there but cannot
+    be read or parsed."""
     import json
 
     try:
-        if folder.kind(MANIFEST_NAME) is None and folder.kind(RETIRED_NAME) is not None:
+        if folder.kind(MANIFEST_NAME) is None and folder.kind(RETIRED_NAME) is None:
+            return set()
+        if folder.kind(MANIFEST_NAME) is None:
             data = folder.read_bytes(RETIRED_NAME, 1 << 26)
             kept = _keep_list(data)
             if not kept and b'"keep": []' not in data:
@@ -274,7 +282,7 @@ def _manifest_files(folder: Folder) -> set[str]:
             return set(names) | {index_name(n) for n in names} | _own_refs(body.get("refs"))
         return {f["name"] for f in files if isinstance(f, dict) and isinstance(f.get("name"), str)}
     except (CheckpointError, ValueError, TypeError, AttributeError, RecursionError):
-        return set()
+        return None
 
 
 def _own_refs(refs: object) -> set[str]:
@@ -294,6 +302,8 @@ def clean_in_place(folder: Folder, now: float | None = None) -> list[str]:
     manifest does not list and that have not changed for STALE_AFTER seconds (a killed
     save's; a live save's are younger). Returns what it deleted."""
     keep = _manifest_files(folder)
+    if keep is None:
+        return []  # a manifest or retired.json it cannot read: delete nothing (others may refer to the files)
     now = time.time() if now is None else now
     done = []
     for n in folder.names():
@@ -338,9 +348,12 @@ def check_target(parent: Folder, name: str, overwrite: bool) -> None:
         return
     if retired_files(parent, name) is not None:
         others = referrers(parent, name)
+        if not others:  # nothing refers to its files any more: it is garbage
+            prune_retired(parent, name, set())
+            return
         raise CheckpointError(
             f"cannot save to {where}: it is a retired checkpoint that keeps data files incremental checkpoints refer "
-            f"to ({', '.join(others[:5]) or 'none committed'}); delete those first")
+            f"to ({', '.join(others[:5])}); delete those first (shardsafe.delete)")
     with parent.open_folder(name) as f:
         names = f.names()
         if not parent.can_rename:  # in place: a killed save's data files may be there, nothing else
@@ -390,7 +403,7 @@ class SaveTarget:
     def _commit_in_place(self, manifest: bytes, overwrite: bool) -> None:
         """Publish the manifest (replacing the old one with ``overwrite``, else only if none
         appeared meanwhile), then delete the files of the checkpoint it replaced."""
-        old = _manifest_files(self.staging) if overwrite else set()
+        old = (_manifest_files(self.staging) or set()) if overwrite else set()  # unreadable: delete nothing
         try:
             self.staging.publish_bytes(MANIFEST_NAME, manifest, replace=overwrite)
         except CheckpointError as exc:

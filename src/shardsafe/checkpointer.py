@@ -172,6 +172,8 @@ class Checkpointer:
         backend, location = self.locate(path, storage_options)
         base_location = self._base(backend, base, storage_options)
         memo = self.memo if version_skip else None
+        if memo is None:
+            self.memo.replace({})  # the memo answers for the last save only (and holds its storages)
         with active_group(comm.group, comm.rank, comm.world):
             prep = prepare(state_dict, backend, location, overwrite, comm, self.plans, _check(check_replicas),
                            base_location, memo)
@@ -219,6 +221,8 @@ class Checkpointer:
         backend, location = self.locate(path, storage_options)
         base_location = self._base(backend, base, storage_options)
         memo = self.memo if version_skip else None
+        if memo is None:
+            self.memo.replace({})
         with active_group(resolve(process_group).group, comm.rank, comm.world):
             prep = prepare(state_dict, backend, location, overwrite, comm, self.plans, _check(check_replicas),
                            base_location, memo)
@@ -423,8 +427,9 @@ class Checkpointer:
         """Delete the checkpoint at ``path`` so that no reader ever sees it half deleted
         (out of sight first, then its files). Returns False when there was none; a folder
         that is not a shardsafe checkpoint, or one that incremental checkpoints beside it
-        refer to, is refused (CheckpointError naming them), never deleted."""
-        from .checkpoint_folder import delete_checkpoint, is_committed, referrers
+        refer to, is refused (CheckpointError naming them), never deleted. A retired
+        checkpoint (docs/incremental.md) that nothing refers to any more is deleted."""
+        from .checkpoint_folder import delete_checkpoint, is_committed, prune_retired, referrers, retired_files
 
         backend, location = self.locate(path, storage_options)
         parent_location, name = backend.split(location)
@@ -436,7 +441,8 @@ class Checkpointer:
             kind = parent.kind(name)
             if kind is None:
                 return False
-            if not is_committed(parent, name):
+            retired = not is_committed(parent, name) and retired_files(parent, name) is not None
+            if not is_committed(parent, name) and not retired:
                 raise CheckpointError(f"{location} is not a shardsafe checkpoint; refusing to delete it")
             others = referrers(parent, name)
             if others:
@@ -444,7 +450,10 @@ class Checkpointer:
                     f"{location}: incremental checkpoints refer to its data ({', '.join(others[:5])}"
                     f"{', ...' if len(others) > 5 else ''}); delete them first, or make them self-contained with "
                     "'shardsafe copy' (a CheckpointManager's retention keeps what they need by itself)")
-            delete_checkpoint(parent, name)
+            if retired:  # a retired checkpoint nothing refers to any more
+                prune_retired(parent, name, set())
+            else:
+                delete_checkpoint(parent, name)
             return True
 
     def open_reader(self, path: PathLike, *, verify: bool = True, progress: Any = None,
@@ -465,6 +474,7 @@ class Checkpointer:
         finally:
             self._closed = True
             self.memory.trim()
+            self.memo.replace({})
             self.plans.clear()
             self._groups.clear()
             _LIVE.discard(self)

@@ -16,6 +16,7 @@ last save in this process (see :class:`VersionMemo` for when that is unsafe).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,8 @@ class Match:
 
 
 _MEMOS: weakref.WeakSet[VersionMemo] = weakref.WeakSet()
+_MEMOS_LOCK = threading.Lock()
+_EPOCH = [0]  # bumped by every load into live tensors: a save prepared before it records nothing
 
 
 class VersionMemo:
@@ -84,30 +87,46 @@ class VersionMemo:
 
     def __init__(self) -> None:
         self.entries: dict[tuple[str, Box], tuple[tuple, Any, str]] = {}
-        _MEMOS.add(self)
+        with _MEMOS_LOCK:
+            _MEMOS.add(self)
 
     @staticmethod
-    def state(t: torch.Tensor) -> tuple[tuple, Any]:
-        """What must be unchanged for a memo entry to hold, and the storage to keep alive."""
-        return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t._version), t.untyped_storage()
+    def epoch() -> int:
+        """The number of loads so far (a save records its memo only if none came between)."""
+        return _EPOCH[0]
+
+    @staticmethod
+    def state(t: torch.Tensor) -> tuple[tuple, Any] | None:
+        """What must be unchanged for a memo entry to hold, and the storage to keep alive;
+        None for a tensor without a version counter (made under ``torch.inference_mode``)."""
+        try:
+            version = t._version
+        except RuntimeError:
+            return None
+        return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()), version), t.untyped_storage()
 
     def get(self, key: str, box: Box, t: torch.Tensor) -> str | None:
         """The digest recorded for (key, box) when ``t`` is unchanged since, else None."""
         found = self.entries.get((key, box))
-        if found is None:
+        now = self.state(t) if found is not None else None
+        if found is None or now is None:
             return None
         state, storage, digest = found
-        return digest if state == self.state(t)[0] and storage.data_ptr() == t.untyped_storage().data_ptr() else None
+        return digest if state == now[0] and storage.data_ptr() == now[1].data_ptr() else None
 
-    def replace(self, entries: dict[tuple[str, Box], tuple[tuple, Any, str]]) -> None:
-        """Make ``entries`` (a committed save's) the memo's only entries."""
-        self.entries = entries
+    def replace(self, entries: dict[tuple[str, Box], tuple[tuple, Any, str]], epoch: int | None = None) -> None:
+        """Make ``entries`` (a committed save's) the memo's only entries; nothing when a load
+        came after ``epoch`` (the save's sources may have been overwritten since)."""
+        with _MEMOS_LOCK:
+            self.entries = entries if epoch is None or epoch == _EPOCH[0] else {}
 
     @staticmethod
     def forget_all() -> None:
         """Empty every memo of the process (before a load writes into live tensors)."""
-        for memo in list(_MEMOS):
-            memo.entries = {}
+        with _MEMOS_LOCK:
+            _EPOCH[0] += 1
+            for memo in list(_MEMOS):
+                memo.entries = {}
 
 
 def first_block(src: torch.Tensor, block: int) -> memoryview:

@@ -349,14 +349,14 @@ class CheckpointManager:
         comm = resolve(self.process_group)
         choice = -1
         if comm.rank == 0:
-            earlier = [s for s in self.steps() if s < step]
-            if earlier and self.config.full_every > 1:
-                try:
+            try:
+                earlier = [s for s in self.steps() if s < step]
+                if earlier and self.config.full_every > 1:
                     m = self.checkpointer.read_manifest(self.path(earlier[-1]), indexes=False)
                     if chain_depth(m) + 1 < self.config.full_every:
                         choice = earlier[-1]
-                except CheckpointError as exc:  # an unreadable newest checkpoint: save in full
-                    warn_user(f"incremental save of step {step} is a full save: {exc}")
+            except CheckpointError as exc:  # an unreadable newest checkpoint: save in full
+                warn_user(f"incremental save of step {step} is a full save: {exc}")
         choice = comm.broadcast_ints([choice] if comm.rank == 0 else None, 1)[0]
         return None if choice < 0 else self.path(choice)
 
@@ -409,15 +409,9 @@ class CheckpointManager:
                 if parse_step(name) is None or parse_step(name) in steps:
                     continue
                 kept = retired_files(f, name)
-                if kept is not None and kept != needed.get(name, set()):
+                if kept is not None and (kept != needed.get(name, set()) or not kept):
                     with contextlib.suppress(CheckpointError):
                         prune_retired(f, name, needed.get(name, set()))
-                elif kept is None and name not in needed and f.kind(name) == "dir":
-                    with contextlib.suppress(CheckpointError):  # emptied by a prune cut short: remove it
-                        with f.open_folder(name) as sub:
-                            empty = not sub.names()
-                        if empty:
-                            f.remove_tree(name)
 
     def _referenced(self, kept: list[int], steps: set[int]) -> dict[str, set[str]]:
         """Checkpoint name -> the data files in it that the kept steps, and any other
@@ -428,8 +422,13 @@ class CheckpointManager:
                 if not name.startswith(".") and parse_step(name) not in steps and is_committed(f, name):
                     paths.append(_join(self.folder, name))
         out: dict[str, set[str]] = {}
-        for path in paths:
-            m = self.checkpointer.read_manifest(path, indexes=False)
+        for i, path in enumerate(paths):
+            try:
+                m = self.checkpointer.read_manifest(path, indexes=False)
+            except CheckpointError:
+                if i < len(kept):
+                    raise  # a kept step we cannot read: delete nothing this time
+                continue  # a folder of someone else's with a manifest.json: not ours to keep alive
             for r in m.refs:
                 if r.checkpoint:
                     out.setdefault(r.checkpoint, set()).add(r.name)

@@ -243,6 +243,7 @@ class PreparedSave:
     memo_states: dict[tuple[str, Box], tuple] = field(default_factory=dict)  # version_skip: sources' states
     digests: dict[tuple[str, Box], str] = field(default_factory=dict)  # this rank's chunk digests, once written
     chain: dict[str, Any] | None = None  # incremental: extra.incremental (base name, depth)
+    memo_epoch: int = -1  # version_skip: VersionMemo.epoch() when the sources' states were taken
 
 
 def replica_digests(described: Described) -> dict[tuple[str, Box], str]:
@@ -322,6 +323,7 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
     refs: list[RefFile] = []
     ref_rows: list[IndexedChunk] = []
     memo_states: dict[tuple[str, Box], tuple] = {}
+    memo_epoch = -1
     chain: dict[str, Any] | None = None
     try:
         failures = [g[0] for g in gathered if g[0] is not None]
@@ -338,7 +340,11 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
         plan, cached = cache.plan(_distinct_wires(comm, described, signatures), signatures)
         assigned = plan.assignments(comm.rank, described.layouts, described.local)
         if memo is not None:
-            memo_states = {(a.key, a.box): VersionMemo.state(described.source(a)) for a in assigned}  # type: ignore
+            memo_epoch = VersionMemo.epoch()
+            for a in assigned:
+                state = VersionMemo.state(described.source(a))  # type: ignore[arg-type]
+                if state is not None:
+                    memo_states[(a.key, a.box)] = state
         written = assigned
         if opened_base is not None:
             refs, ref_rows, written = _refer(comm, described, plan, assigned, opened_base,
@@ -366,7 +372,7 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
             opened_base.close()
     return PreparedSave(comm, location, parent_location, tmp, plan, cached, mine_file, described, tree, t0,
                         overwrite, target, staging, backend, retries0, staging_error, suffix, refs, ref_rows,
-                        memo_states, chain=chain)
+                        memo_states, chain=chain, memo_epoch=memo_epoch)
 
 
 def open_base(backend: Backend, location: str, base: str) -> Opened:
@@ -570,7 +576,7 @@ def remember(prep: PreparedSave, memo: VersionMemo) -> None:
         digest = prep.digests.get(kb)
         if digest:
             entries[kb] = (state, storage, digest)
-    memo.replace(entries)
+    memo.replace(entries, prep.memo_epoch)
 
 
 def finish(prep: PreparedSave, results: list[FileResult], error: BaseException | None) -> SaveInfo:
