@@ -77,6 +77,14 @@ def a_then_b(tmp_path: Path) -> dict:
     return state
 
 
+def save_1_and_2(mgr: CheckpointManager, state: dict) -> None:
+    """Steps 1 and 2 with one tensor changed between them (with keep_last=1 and incremental
+    saves, step 1 is then retired: step 2 refers to it)."""
+    mgr.save(1, state)
+    state["model"]["layer0.weight"].add_(1)
+    mgr.save(2, state)
+
+
 def holders(path: Path) -> dict[str, str]:
     """Tensor key -> the checkpoint that holds its bytes ("." = this one)."""
     out = {}
@@ -506,9 +514,7 @@ def test_overwriting_or_saving_onto_referenced_data_is_refused(tmp_path):
 def test_manager_rewind_onto_a_retired_step_names_the_referrers(tmp_path):
     state = make_state()
     with CheckpointManager(tmp_path, interval=1, keep_last=1, incremental=True) as mgr:
-        mgr.save(1, state)
-        state["model"]["layer0.weight"].add_(1)
-        mgr.save(2, state)
+        save_1_and_2(mgr, state)
         assert (tmp_path / "step-00000001" / "retired.json").exists()
         with pytest.raises(CheckpointError, match=r"retired checkpoint .*\(step-00000002\)"):
             mgr.save(1, state)
@@ -590,9 +596,7 @@ def test_hostile_retired_json_and_refs_do_not_crash_tools_or_retention(tmp_path)
 
     state = make_state()
     with CheckpointManager(tmp_path, interval=1, keep_last=1, incremental=True) as mgr:
-        mgr.save(1, state)
-        state["model"]["layer0.weight"].add_(1)
-        mgr.save(2, state)
+        save_1_and_2(mgr, state)
         retired = tmp_path / "step-00000001" / "retired.json"
         for junk in (b'{"keep": 5}', b'{"keep": null}', b"[" * 100_000, b"\xff"):
             retired.write_bytes(junk)
@@ -662,9 +666,7 @@ def test_foreign_manifest_or_user_folder_does_not_stop_retention(tmp_path):
 def test_unreferenced_retired_folder_can_be_deleted_or_saved_onto(tmp_path):
     state = make_state()
     with CheckpointManager(tmp_path, interval=1, keep_last=1, incremental=True) as mgr:
-        mgr.save(1, state)
-        state["model"]["layer0.weight"].add_(1)
-        mgr.save(2, state)
+        save_1_and_2(mgr, state)
     assert (tmp_path / "step-00000001" / "retired.json").exists()
     with pytest.raises(CheckpointError, match="refer to its data"):
         shardsafe.delete(tmp_path / "step-00000001")
@@ -672,9 +674,7 @@ def test_unreferenced_retired_folder_can_be_deleted_or_saved_onto(tmp_path):
     shardsafe.save(state, tmp_path / "step-00000001")  # nothing refers to the retired one any more
     assert_same(state, shardsafe.load_full(tmp_path / "step-00000001"))
     with CheckpointManager(tmp_path / "other", interval=1, keep_last=1, incremental=True) as mgr:
-        mgr.save(1, state)
-        state["model"]["layer0.weight"].add_(1)
-        mgr.save(2, state)
+        save_1_and_2(mgr, state)
         assert shardsafe.delete(mgr.path(2))
         assert shardsafe.delete(mgr.path(1))  # retired, referred to by nothing: deleted
     assert list((tmp_path / "other").iterdir()) == []
