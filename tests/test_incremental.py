@@ -631,6 +631,13 @@ def test_version_skip_memo_of_an_async_save_overtaken_by_a_load(tmp_path):
         fut.result()
         cp.save({"w": w}, tmp_path / "b", base=tmp_path / "a", version_skip=True)
         assert torch.equal(shardsafe.load_full(tmp_path / "b")["w"], torch.zeros(2_000_000))
+        # Whichever finished first above, the rule itself: a memo taken before a load is dropped.
+        from shardsafe.incremental import VersionMemo
+
+        before = VersionMemo.epoch()
+        shardsafe.load({"w": w}, tmp_path / "a")
+        cp.memo.replace({("w", None): ((), None, "x")}, before)  # type: ignore[dict-item]
+        assert cp.memo.entries == {}
     finally:
         cp.close()
 

@@ -558,9 +558,10 @@ def file_result(prep: PreparedSave, written: WrittenFile) -> FileResult:
     chunks = [IndexedChunk(order[c.key] if c.key in order else base + local[c.key], c.box.offsets, c.box.lengths,
                            c.start, c.end, sums, digest)
               for c, sums, digest in zip(prep.mine.chunks, written.checksums, written.digests)]
-    prep.digests = {(c.key, c.box): d for c, d in zip(prep.mine.chunks, written.digests)}
-    keys = list(prep.plan.tensors)
-    prep.digests.update({(keys[r.ordinal], Box(r.offsets, r.lengths)): r.digest for r in prep.ref_rows})
+    if prep.memo_states:  # version_skip: the digests the memo records once committed
+        prep.digests = {(c.key, c.box): d for c, d in zip(prep.mine.chunks, written.digests)}
+        keys = list(prep.plan.tensors)
+        prep.digests.update({(keys[r.ordinal], Box(r.offsets, r.lengths)): r.digest for r in prep.ref_rows})
     chunks.extend(prep.ref_rows)
     local_tensors = {tl.key: (tl.dtype, tl.shape) for tl in sorted(prep.described.local, key=lambda t: t.key)}
     data = build_index(prep.comm.rank, written.entry.header_bytes, written.entry.header_checksum, chunks,

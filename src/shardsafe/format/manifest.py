@@ -28,7 +28,16 @@ from .chunk_table import HEX, Chunk, ChunkTable, table_json
 from .file_index import FileIndex, data_name, index_name, verify_index
 from .refs import RefFile, parse_refs, refs_json
 from .rules import Mesh, Rule, parse_placement
-from .strict_json import MAX_MEMBER_DEPTH, _count, _duplicate, _parse_json, _show  # noqa: F401 (re-exported)
+from .strict_json import (  # noqa: F401 (MAX_MEMBER_DEPTH re-exported)
+    MAX_MEMBER_DEPTH,
+    MAX_NAME_BYTES,
+    NOT_IN_NAME,
+    SIZE_LIMIT,
+    _count,
+    _duplicate,
+    _parse_json,
+    _show,
+)
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "shardsafe"
@@ -46,7 +55,7 @@ MAX_CHECKSUM_BLOCK = 1 << 26
 """Largest ``extra.checksum_block`` a reader accepts (64 MiB, the default staging buffer;
 shardsafe writes 1 MiB): a partial read never hashes more than that beyond what it needs,
 and tools may allocate one block."""
-MAX_FILE_NAME_BYTES = 255
+MAX_FILE_NAME_BYTES = MAX_NAME_BYTES
 MAX_WORLD = 1 << 20
 """Largest ``world_size`` of a format-3 manifest (tools list per-rank values by rank)."""
 BOXES_PER_INDEX_BYTE = 16
@@ -565,8 +574,7 @@ def _seal(body: dict[str, Any]) -> bytes:
 
 # strict JSON parsing lives in strict_json.py
 
-# Characters a data file name may not hold: path separators, C0/C1 controls, lone surrogates.
-_NOT_IN_NAME = re.compile(r"[/\\\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+_NOT_IN_NAME = NOT_IN_NAME
 
 
 def _file_names_problem(names: list[Any]) -> str | None:
@@ -610,7 +618,7 @@ def _header_problem(world_size: Any, extra: Any, writer: Any, rank_local: Any, f
     return None
 
 
-_LIMIT = 1 << 62  # bound on sizes in bytes, so that int64 arithmetic cannot overflow
+_LIMIT = SIZE_LIMIT
 
 
 def _parse_tensors(tensors_json: Any, chunks_json: Any, files: list[FileEntry], block: int,

@@ -13,18 +13,15 @@ only when their chunk digests (128 bits) are, never on the 64-bit block checksum
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
 from ..errors import CorruptCheckpointError
-from .strict_json import _count, _show
+from .strict_json import SIZE_LIMIT, _count, _show, plain_name
 
 DIGEST_HEX = 32  # hex digits of a chunk digest (XXH3-128)
-_LIMIT = 1 << 62
-_NOT_IN_NAME = re.compile(r"[/\\\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -60,26 +57,21 @@ def refs_json(refs: list[RefFile]) -> dict[str, Any]:
             "bytes": [r.nbytes for r in refs]}
 
 
-def _plain(name: Any, allow_empty: bool) -> bool:
-    return (type(name) is str and (name != "" or allow_empty) and name not in (".", "..")
-            and not _NOT_IN_NAME.search(name) and len(name.encode("utf-8", "surrogatepass")) <= 255)
-
-
 def parse_refs(d: Any) -> list[RefFile]:
     """The manifest's ``refs`` member, validated (names plain, files distinct, sizes >= 8)."""
     if type(d) is not dict:
         raise CorruptCheckpointError("inconsistent manifest: refs is not an object")
     checkpoints, cs, names, sizes = d.get("checkpoints"), d.get("c"), d.get("name"), d.get("bytes")
-    if not (type(checkpoints) is list and all(_plain(c, True) for c in checkpoints)
+    if not (type(checkpoints) is list and all(plain_name(c, allow_empty=True) for c in checkpoints)
             and len(set(checkpoints)) == len(checkpoints)):
         raise CorruptCheckpointError("inconsistent manifest: refs 'checkpoints' is not a list of distinct plain "
                                      "folder names")
     count = len(names) if type(names) is list else -1
-    if not (count >= 0 and all(_plain(n, False) for n in names)):
+    if not (count >= 0 and all(plain_name(n) for n in names)):
         raise CorruptCheckpointError("inconsistent manifest: refs 'name' is not a list of plain file names")
     if not (type(cs) is list and len(cs) == count and all(type(c) is int and 0 <= c < len(checkpoints) for c in cs)):
         raise CorruptCheckpointError(f"inconsistent manifest: refs 'c' is not a list of {count} checkpoint indices")
-    if not (type(sizes) is list and len(sizes) == count and all(_count(n) and 8 <= n < _LIMIT for n in sizes)):
+    if not (type(sizes) is list and len(sizes) == count and all(_count(n) and 8 <= n < SIZE_LIMIT for n in sizes)):
         raise CorruptCheckpointError(f"inconsistent manifest: refs 'bytes' is not a list of {count} file sizes "
                                      "(at least 8)")
     out = [RefFile(checkpoints[c], n, z) for c, n, z in zip(cs, names, sizes)]

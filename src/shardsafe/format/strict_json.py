@@ -16,6 +16,20 @@ from ..errors import CorruptCheckpointError
 from .values import MAX_DEPTH
 
 MAX_MEMBER_DEPTH = MAX_DEPTH + 2
+SIZE_LIMIT = 1 << 62
+"""Sizes, dims and counts stay below this, so that 64-bit arithmetic cannot overflow."""
+MAX_NAME_BYTES = 255
+"""The longest file or folder name a checkpoint may list (the common file system limit)."""
+NOT_IN_NAME = re.compile(r"[/\\\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+"""Characters a listed name may not hold: path separators, C0/C1 controls, lone surrogates."""
+
+
+def plain_name(name: Any, allow_empty: bool = False) -> bool:
+    """True for a plain file or folder name (docs/format.md): a str without path separators,
+    control characters or lone surrogates, not ``.`` or ``..``, at most 255 bytes in UTF-8;
+    the empty name only with ``allow_empty``."""
+    return (type(name) is str and (name != "" or allow_empty) and name not in (".", "..")
+            and not NOT_IN_NAME.search(name) and len(name.encode("utf-8")) <= MAX_NAME_BYTES)
 """Deepest nesting of any top-level member (``rank_local``: object, list, then a value of
 at most MAX_DEPTH levels; the ``tree`` itself is held to MAX_DEPTH)."""
 
