@@ -41,11 +41,11 @@ from .engine.buffers import flat_bytes
 from .engine.writer import WrittenFile
 from .errors import BaseCheckpointError, CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from .format.checksum import checksum
-from .format.dtypes import dtype_name, safetensors_code
-from .format.file_index import IndexedChunk, build_index, index_name
+from .format.dtypes import dtype_name, name_itemsize, safetensors_code
+from .format.file_index import FileIndex, IndexedChunk, build_index, index_name
 from .format.manifest import FORMAT_VERSION, FileEntry, Manifest, TensorEntry
 from .format.refs import RefFile
-from .format.rules import Mesh, placements_json
+from .format.rules import Mesh, parse_placement, placements_json
 from .hints import warn_user
 from .incremental import Base, VersionMemo, chain_depth, match, reference_rows
 from .layout import Box
@@ -117,11 +117,12 @@ def _is_replicate(p: Any) -> bool:
     return isinstance(p, Replicate)
 
 
-def describe(state: dict[str, Any], rank: int, group_rank: Any = None) -> Described:
+def describe(state: dict[str, Any], rank: int, group_rank: Any = None, world: int = 1) -> Described:
     """Flatten ``state`` and describe this rank's tensors (UnsupportedValueError naming the
     key for anything that cannot be saved). ``group_rank`` maps a global rank to its rank
-    in the saving group (None: the identity); a DTensor whose mesh it cannot map is
-    described box by box instead of by rule."""
+    in the saving group (None: the identity) of ``world`` ranks; a DTensor whose mesh it
+    cannot map, or whose layout a reader would not accept as a rule, is described box by
+    box instead of by rule."""
     flat = flatten(state, rank)
     layouts: list[TensorLayout] = []
     local: list[TensorLayout] = []
@@ -139,7 +140,7 @@ def describe(state: dict[str, Any], rank: int, group_rank: Any = None) -> Descri
             for p in pieces:
                 sources[(key, p.box)] = local_t[p.local_slices]
             kind = "sharded" if any(not _is_replicate(p) for p in t.placements) else "replicated"
-            rule = _rule_key(t, group_rank) if kind == "sharded" else None
+            rule = _rule_key(t, group_rank, world) if kind == "sharded" else None
             layouts.append(TensorLayout(key, name, tuple(t.shape), t.element_size(), kind, boxes, rule,
                                         None if rule is not None else layout_of(t)))
             continue
@@ -153,13 +154,15 @@ def describe(state: dict[str, Any], rank: int, group_rank: Any = None) -> Descri
     return Described(flat, layouts, local, sources, wire, checksum(wire), checksum(repr(flat.tree).encode()))
 
 
-def _rule_key(t: Any, group_rank: Any) -> tuple | None:
+def _rule_key(t: Any, group_rank: Any, world: int) -> tuple | None:
     """A DTensor's layout as a rule (mesh shape, the saving group's rank at each mesh
-    coordinate, dim names; placements), or None when it has none (docs/format.md, rules)."""
+    coordinate, dim names; placements), or None when it has none (docs/format.md, rules)
+    or a reader of a ``world``-rank checkpoint would refuse it (a ``_StridedShard`` split
+    factor above the world size): such a tensor is saved as explicit boxes."""
     if not t.shape or 0 in t.shape:
         return None
     placements = placements_json(t.placements, len(t.shape))
-    if placements is None:
+    if placements is None or _rule_problem(tuple(t.shape), placements, world) is not None:
         return None
     mesh = t.device_mesh
     ranks = mesh.mesh.flatten().tolist()
@@ -169,6 +172,16 @@ def _rule_key(t: Any, group_rank: Any) -> tuple | None:
             return None
     names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
     return (tuple(mesh.shape), tuple(ranks), names), tuple(tuple(p) for p in placements)
+
+
+def _rule_problem(shape: tuple[int, ...], placements: list[list[Any]], world: int) -> str | None:
+    """Why a reader would refuse these rule placements, or None (the reader's own check)."""
+    try:
+        for p in placements:
+            parse_placement(p, len(shape), world)
+    except CorruptCheckpointError as exc:
+        return str(exc)
+    return None
 
 
 def _check_saveable(key: str, t: torch.Tensor) -> None:
@@ -296,7 +309,7 @@ def prepare(state: dict[str, Any], backend: Backend, location: str, overwrite: b
     tmp = ""
     opened_base: Opened | None = None
     try:
-        described = describe(state, comm.rank, _group_ranks(comm))
+        described = describe(state, comm.rank, _group_ranks(comm), comm.world)
         if base is not None:
             opened_base = open_base(backend, location, base)
         if comm.rank == 0:
@@ -603,6 +616,7 @@ def _finish(prep: PreparedSave, results: list[FileResult], error: BaseException 
             entry, index = results[0]
             if prep.staging is None:
                 raise CheckpointError("the save's folder could not be opened on this rank")
+            check_index(prep, entry, index)
             prep.staging.write_bytes(index_name(entry.name), index)
             digest = int(checksum(index), 16)
             summary = [1, entry.nbytes, len(index), digest - (1 << 64) if digest >= 1 << 63 else digest,
@@ -623,7 +637,7 @@ def _finish(prep: PreparedSave, results: list[FileResult], error: BaseException 
             manifest = build_manifest(prep.plan, summaries, prep.tree, comm.world, prep.suffix, prep.refs)
             if prep.chain is not None:
                 manifest.extra["incremental"] = {**prep.chain, "referred_bytes": sum(s[4] for s in summaries)}
-            prep.target.commit(manifest.to_bytes(), prep.overwrite)
+            prep.target.commit(checked_manifest(manifest), prep.overwrite)
         except BaseException as exc:
             if not comm.distributed:
                 prep.target.abort()
@@ -639,6 +653,29 @@ def _finish(prep: PreparedSave, results: list[FileResult], error: BaseException 
                     time.perf_counter() - prep.t0, prep.plan_cached,
                     prep.backend.retries - prep.retries0 if prep.backend is not None else 0,
                     sum(r.end - r.start for r in prep.ref_rows), len(prep.ref_rows))
+
+
+def check_index(prep: PreparedSave, entry: FileEntry, index: bytes) -> None:
+    """Parse this rank's index with the reader's own rules before it is written: a save
+    never commits an index its reader refuses (CheckpointError naming the rank)."""
+    meta = [(shape, name_itemsize(dtype) or 0) for dtype, shape, _ in prep.plan.tensors.values()]
+    try:
+        FileIndex.parse(index, index_name(entry.name), file=0, rank=prep.comm.rank, nbytes=entry.nbytes,
+                        block=CHECKSUM_BLOCK, tensors=meta, ref_files=[(r.name, r.nbytes) for r in prep.refs],
+                        first_ref=1)
+    except CorruptCheckpointError as exc:
+        raise CheckpointError(f"save refused: rank {prep.comm.rank}'s file index would not load: {exc}") from None
+
+
+def checked_manifest(manifest: Manifest) -> bytes:
+    """The manifest's bytes, parsed back with the reader's own rules and bounds first: a
+    save never commits a manifest its reader refuses (CheckpointError naming the cause)."""
+    data = manifest.to_bytes()
+    try:
+        Manifest.from_bytes(data, "the manifest to commit")
+    except CorruptCheckpointError as exc:
+        raise CheckpointError(f"save refused: the checkpoint would not load: {exc}") from None
+    return data
 
 
 def build_manifest(plan: GlobalPlan, summaries: list[list[int]], tree: Any, world: int, file_id: str,
