@@ -55,7 +55,7 @@ class Stretch:
     offset: int
     pieces: list[tuple[int, int, memoryview]]
     lease: Lease | None = None
-    event: object = None  # a CUDA event the copies into the slot recorded
+    events: tuple = ()  # CUDA events recorded after the copies into the slot (one per source device)
 
 
 @dataclass
@@ -86,6 +86,13 @@ def _copy_parts(pairs: list[tuple[torch.Tensor, torch.Tensor]], parts: int) -> l
     return out
 
 
+def _recorded(device: int) -> torch.cuda.Event:
+    """A CUDA event recorded on ``device``'s current stream (of this thread)."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for dst, src in pairs:
         dst.copy_(src)
@@ -111,6 +118,9 @@ class FileWriter:
         self.durable = durable
         self.sources = [resolved(source(c)) for c in plan.chunks]
         self.cuda = any(s.device.type == "cuda" for s in self.sources)
+        # A device-to-host copy runs on the current stream of its *source's* device, which
+        # need not be the current device: wait on each source device's stream.
+        self.devices = sorted({s.device.index or 0 for s in self.sources if s.device.type == "cuda"})
         self.pin = pin and self.cuda and torch.cuda.is_available()
         self.staged_bytes = sum(c.end - c.start for c, s in zip(plan.chunks, self.sources) if not self._borrowable(s))
         cap = self.staged_bytes if staging_bytes is None else min(staging_bytes, self.staged_bytes)
@@ -187,8 +197,8 @@ class FileWriter:
                 self._submit(Stretch(at, borrowed))
             if slot is not None:
                 self._submit(slot.close(copier, copy_threads, self.cuda))
-            if self.cuda:
-                torch.cuda.current_stream().synchronize()
+            for d in self.devices:
+                torch.cuda.current_stream(d).synchronize()
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -277,9 +287,7 @@ class FileWriter:
 
     def _submit(self, stretch: Stretch) -> None:
         if self.cuda and stretch.lease is not None:
-            event = torch.cuda.Event()
-            event.record()
-            stretch.event = event
+            stretch.events = tuple(_recorded(d) for d in self.devices)
         self.full.put(stretch)
 
     def _check(self) -> None:
@@ -312,8 +320,8 @@ class FileWriter:
     def _write(self, stretch: Stretch) -> None:
         """Hash each block and write it while it is still in the core's cache (small
         pieces are written together, up to one block per call)."""
-        if stretch.event is not None:
-            stretch.event.synchronize()  # type: ignore[attr-defined]
+        for event in stretch.events:
+            event.synchronize()  # the slot's copies from that device are done
         group: list[memoryview] = []
         size = 0
         offset = stretch.offset
