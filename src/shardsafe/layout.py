@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
 
 
@@ -26,8 +27,12 @@ class Box:
 
     @staticmethod
     def whole(shape: Sequence[int]) -> Box:
-        """The box covering a whole tensor of ``shape``."""
-        return Box(tuple(0 for _ in shape), tuple(int(n) for n in shape))
+        """The box covering a whole tensor of ``shape`` (boxes are immutable: one per shape
+        is shared, a state repeats a few shapes many times)."""
+        try:
+            return _whole(tuple(shape))
+        except TypeError:  # unhashable dims
+            return Box(tuple(0 for _ in shape), tuple(int(n) for n in shape))
 
     @property
     def ndim(self) -> int:
@@ -185,3 +190,8 @@ def split_rows(shape: Sequence[int], parts: int) -> list[Box]:
         boxes.append(Box((start,) + (0,) * (len(shape) - 1), (n,) + tuple(int(s) for s in shape[1:])))
         start += n
     return boxes
+
+
+@lru_cache(maxsize=4096)
+def _whole(shape: tuple[int, ...]) -> Box:
+    return Box(tuple(0 for _ in shape), tuple(int(n) for n in shape))

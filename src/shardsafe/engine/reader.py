@@ -211,6 +211,8 @@ def check_header_matches(header: bytes, manifest: Manifest, index: int, where: s
     from ..format.datafile import ClaimedChunk, check_chunks_against_header, parse_header
     from ..format.dtypes import safetensors_code, torch_dtype
 
+    if manifest.indexed and _is_canonical_header(header, manifest, index):
+        return
     entries = parse_header(header, where)
     claims = []
     for key, chunk in manifest.chunks_in_file(index):
@@ -219,6 +221,37 @@ def check_header_matches(header: bytes, manifest: Manifest, index: int, where: s
             raise CorruptCheckpointError(f"tensor '{key}': unknown dtype {manifest.tensors[key].dtype!r}")
         claims.append(ClaimedChunk(safetensors_code(dtype), tuple(chunk.lengths), chunk.start, chunk.end, key))
     check_chunks_against_header(entries, len(header), claims, where)
+
+
+def _is_canonical_header(header: bytes, manifest: Manifest, index: int) -> bool:
+    """True when ``header`` is byte for byte the header this writer makes for the chunks
+    the file's index lists (names, dtypes, shapes, back to back at the listed ranges):
+    such a header places every chunk where the index says, so the full parse can be
+    skipped. False sends the caller to the full check (older writers, damage)."""
+    from ..format.datafile import ChunkEntry, build_header, chunk_name
+    from ..format.dtypes import safetensors_code, torch_dtype
+
+    fi = manifest.index(index)
+    table = fi.table
+    starts, ends = table.start.tolist(), table.end.tolist()
+    offs, lens, dims = table.offsets.tolist(), table.lengths.tolist(), table.dims.tolist()
+    codes: dict[str, str | None] = {}
+    rows = sorted(range(len(fi.ordinals)), key=starts.__getitem__)
+    entries = []
+    for r in rows:
+        key = manifest.key_in_file(index, fi.ordinals[r])
+        entry = manifest.tensors[key]
+        code = codes.get(entry.dtype, "")
+        if code == "":
+            dtype = torch_dtype(entry.dtype)
+            code = codes[entry.dtype] = None if dtype is None else safetensors_code(dtype)
+        if code is None:
+            return False
+        o, n = offs[dims[r]: dims[r + 1]], lens[dims[r]: dims[r + 1]]
+        whole = not any(o) and tuple(n) == tuple(entry.shape)
+        entries.append(ChunkEntry(chunk_name(key, o, whole), code, tuple(n), ends[r] - starts[r]))
+    expected, ranges = build_header(entries)
+    return expected == header and all(rg == (starts[r], ends[r]) for rg, r in zip(ranges, rows))
 
 
 def windows(checks: list[BlockCheck], limit: int = VERIFY_WINDOW) -> list[list[BlockCheck]]:

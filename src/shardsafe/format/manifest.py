@@ -387,6 +387,11 @@ class Manifest:
             out.append(chunk)
         return out
 
+    def key_in_file(self, file: int, ordinal: int) -> str:
+        """Format 3: the key of tensor ``ordinal`` of file ``file``'s index (rank-local
+        tensors are numbered after the manifest's, per file)."""
+        return self._keys[ordinal] if ordinal < len(self._keys) else self._local_keys[(file, ordinal)]
+
     def chunks_in_file(self, index: int) -> list[tuple[str, Chunk]]:
         """(tensor key, chunk) of every chunk stored in file ``index``. For a parsed
         manifest the chunk table is searched with one vectorized test and only those
