@@ -493,13 +493,14 @@ def broadcast_plan(comm: Comm, fills: list | None, manifest: Any) -> list[Shared
     Empty when a rank has no fills (its error is agreed on later)."""
     mine: dict[tuple, int] = {}
     requests: list[list] = []
+    device = comm._device() if comm.distributed else None  # where this group's collectives take tensors
     if fills is not None and manifest is not None:
         for i, f in enumerate(fills):
             entry = manifest.tensors.get(f.key)
             if entry is None or entry.kind == "rank_local" or f.fresh or f.cast:
                 continue
-            if f.tensor.device.type != "cpu" and comm.distributed and comm._device() == "cpu":
-                continue  # gloo sends CPU tensors only
+            if device is not None and str(f.tensor.device) != device:
+                continue  # gloo sends CPU tensors only, NCCL tensors on the current GPU only
             if tuple(f.tensor.shape) != tuple(f.box.lengths):
                 continue  # not a plain view of its box: read by every rank
             box = (f.key, tuple(f.box.offsets), tuple(f.box.lengths))
