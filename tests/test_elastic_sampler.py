@@ -1,7 +1,8 @@
 """ElasticSampler (global data position, resume on any world size) and the batch helpers.
 
 Ranks are simulated with ``rank=`` / ``world_size=`` arguments: the sampler needs no
-process group, and what each rank yields depends only on (state, rank, world size).
+process group, and what each rank yields depends only on (state, rank, world size). The
+defaults taken from torch.distributed are checked on a real gloo group (sampler_cases.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import sampler_cases
 import shardsafe
 from shardsafe.data import ElasticSampler, keep_global_batch, per_rank_batch
 from shardsafe.state.tree import is_stateful
@@ -314,15 +316,24 @@ def test_global_batch_must_divide_by_world_size():
         ElasticSampler(10.0, 2)
 
 
-def test_rank_and_world_size_default_to_torch_distributed(monkeypatch):
+def test_rank_and_world_size_default_to_one_process_without_a_group():
+    assert not torch.distributed.is_initialized()
     s = ElasticSampler(10, 4)
     assert (s.rank, s.world_size) == (0, 1)
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 2)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
-    s = ElasticSampler(10, 4)
-    assert (s.rank, s.world_size) == (2, 4)
-    assert ElasticSampler(10, 4, rank=0, world_size=2).world_size == 2
+    assert list(s) == list(ElasticSampler(10, 4, rank=0, world_size=1))
+
+
+def test_rank_and_world_size_default_to_torch_distributed(pg_pool):
+    """On a real gloo group of 2 ranks: each sampler picks up (rank, 2) and yields that
+    rank's share; explicit arguments win, each on its own."""
+    got = pg_pool(2).run(sampler_cases.defaults_from_the_process_group, 10, 4)
+    for r, g in enumerate(got):
+        assert g["found"] == (r, 2)
+        assert g["found_samples"] == list(ElasticSampler(10, 4, rank=r, world_size=2, seed=3))
+        assert g["explicit"] == (0, 1)
+        assert g["mixed"] == (1 - r, 2)
+    assert sorted(got[0]["found_samples"] + got[1]["found_samples"]) == sorted(
+        ElasticSampler(10, 4, rank=0, world_size=1, seed=3))
 
 
 def test_load_refuses_a_different_sequence_and_changes_nothing():
