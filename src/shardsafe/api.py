@@ -12,6 +12,7 @@ usual AWS environment variables.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from .checkpointer import Checkpointer, PathLike, SaveFuture
@@ -90,7 +91,7 @@ def wait_for_pending() -> SaveInfo | None:
 
 def load(state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, verify: bool = True,
          process_group: Any = None, max_buffer: int = DEFAULT_MAX_BUFFER,
-         exclude: list[str] | tuple[str, ...] = (), cast_dtype: bool = False,
+         exclude: str | Iterable[str] = (), cast_dtype: bool = False,
          broadcast_replicated: bool | None = None, storage_options: dict[str, Any] | None = None) -> LoadInfo:
     """Load the checkpoint at ``path`` into ``state_dict`` in place, on one process or on
     every rank of a process group, whatever world size or layout saved it.
@@ -100,9 +101,12 @@ def load(state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, ver
     Keys, shapes and dtypes are validated — and with ``verify`` the checksum of every
     needed block — before any destination byte is written, so a failed load leaves the
     destination untouched; every rank raises the same error. Dotted keys or prefixes in
-    ``exclude`` are left as they are in the destination (and may be missing from the
-    checkpoint). A saved dtype that differs from the destination's is an error, unless
-    ``cast_dtype=True`` (then the values are converted as ``Tensor.copy_`` converts).
+    ``exclude`` (a list, or one ``str``: ``exclude="optim"`` is ``exclude=["optim"]``) are
+    left as they are in the destination (and may be missing from the checkpoint); a
+    pattern that matches no key of the checkpoint and none of the destination raises
+    MissingKeysError naming the closest keys (a typo never loads everything). A saved
+    dtype that differs from the destination's is an error, unless ``cast_dtype=True``
+    (then the values are converted as ``Tensor.copy_`` converts).
 
     ``broadcast_replicated``: on a process group, each replicated tensor that every rank
     needs whole is read (and verified) by one rank and sent to the others, so storage is
@@ -113,14 +117,15 @@ def load(state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, ver
                                        broadcast_replicated=broadcast_replicated, storage_options=storage_options)
 
 
-def load_full(path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True,
+def load_full(path: PathLike, keys: str | Iterable[str] | None = None, *, verify: bool = True,
               rank: int = 0, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A fresh tree of full CPU tensors and values from the checkpoint at ``path``
     (rank-local values: those of saving rank ``rank``). Needs no process group.
 
-    ``keys`` restricts the result to the given dotted keys or key prefixes (for example
-    ``"model"`` or ``"model.layers.0.weight"``); a key that matches nothing raises
-    MissingKeysError. A list partly selected comes back as a dict keyed by index."""
+    ``keys`` restricts the result to the given dotted keys or key prefixes (one ``str``,
+    for example ``"model"`` or ``"model.layers.0.weight"``, or a list of them); a key that
+    matches nothing raises MissingKeysError naming the closest keys. A list partly
+    selected comes back as a dict keyed by index."""
     return default_checkpointer().load_full(path, keys, verify=verify, rank=rank, storage_options=storage_options)
 
 

@@ -17,6 +17,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from .engine.reader import OpenFiles, Reader
 from .engine.writer import FileWriter
 from .errors import CheckpointChangedError, CheckpointError
 from .format.manifest import Manifest
+from .hints import as_keys
 from .incremental import VersionMemo
 from .layout import Box
 from .loading import (
@@ -299,10 +301,11 @@ class Checkpointer:
 
     def load(self, state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, verify: bool = True,
              process_group: Any = None, max_buffer: int = DEFAULT_MAX_BUFFER,
-             exclude: list[str] | tuple[str, ...] = (), cast_dtype: bool = False,
+             exclude: str | Iterable[str] = (), cast_dtype: bool = False,
              broadcast_replicated: bool | None = None, storage_options: dict[str, Any] | None = None) -> LoadInfo:
         """Load the checkpoint at ``path`` into ``state_dict`` in place; see :func:`shardsafe.load`."""
         self._check_open()
+        exclude = as_keys(exclude, "exclude") or ()
         VersionMemo.forget_all()  # the load writes into tensors without bumping their _version
         comm = resolve(process_group)
         backend, location = self.locate(path, storage_options)
@@ -337,6 +340,7 @@ class Checkpointer:
             matcher = Matcher(manifest, rank=comm.rank, strict=strict, exclude=exclude, world=comm.world,
                               cast_dtype=cast_dtype)
             matcher.match(state_dict, manifest.tree, [], top=True)
+            matcher.check_exclude(manifest.tree)
             result = matcher.result
             result.raise_errors()
         except Exception as exc:  # noqa: BLE001 - agreed on by every rank below
@@ -386,10 +390,11 @@ class Checkpointer:
                         time.perf_counter() - t0, copied, bytes_received=received,
                         retries=backend.retries - retries0, bytes_fetched=fetched)
 
-    def load_full(self, path: PathLike, keys: list[str] | str | None = None, *, verify: bool = True,
+    def load_full(self, path: PathLike, keys: str | Iterable[str] | None = None, *, verify: bool = True,
                   rank: int = 0, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
         """A fresh tree of full CPU tensors; see :func:`shardsafe.load_full`."""
         self._check_open()
+        keys = as_keys(keys, "keys")
         backend, location = self.locate(path, storage_options)
         for attempt in range(LOAD_RETRIES):
             try:
@@ -406,7 +411,7 @@ class Checkpointer:
             check_tree(manifest)
             tree = manifest.tree
             if keys is not None:
-                tree = select(tree, [keys] if isinstance(keys, str) else list(keys))
+                tree = select(tree, list(keys))
             matcher = Matcher(manifest, rank=rank)
             value = matcher.materialize(tree)
             matcher.result.raise_errors()

@@ -1,8 +1,11 @@
 """CheckpointManager: a folder of step checkpoints with an interval, retention, resume
 from the latest valid checkpoint, async saves and a final model-only export.
 
-Layout: ``FOLDER/step-00000500/`` (one shardsafe checkpoint per step, 8-digit zero padded;
-larger steps simply use more digits). Retention runs on rank 0 after a newer checkpoint
+Layout: ``FOLDER/step-00000500/``, one shardsafe checkpoint per step. New saves are named
+with 8 digits, zero padded (larger steps simply use more digits); any ``step-<N>`` folder
+counts, whatever its padding (``step-100`` saved by hand is step 100, and a save of step
+100 then writes to it); two committed folders for one step are a CheckpointError naming
+both (see :mod:`shardsafe.steps`). Retention runs on rank 0 after a newer checkpoint
 has committed, when ``keep_last`` or ``keep_best`` is set: it keeps the ``keep_last``
 newest steps, every step divisible by ``keep_every`` and the ``keep_best`` steps with the
 best reported metric, and never deletes the checkpoint being written or the one last loaded.
@@ -22,6 +25,7 @@ import contextlib
 import math
 import os
 import tomllib
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -39,7 +43,7 @@ from .checkpoint_folder import (
     retired_files,
 )
 from .checkpointer import Checkpointer, SaveFuture
-from .comm import resolve
+from .comm import Comm, describe, rebuild, resolve
 from .errors import (
     BaseCheckpointError,
     CheckpointError,
@@ -47,9 +51,9 @@ from .errors import (
     CorruptCheckpointError,
     FormatVersionError,
 )
-from .hints import warn_user
+from .hints import as_keys, warn_user
 from .incremental import chain_depth
-from .steps import parse_step, step_name
+from .steps import by_step, parse_step, step_name, width_of
 from .storage.base import Folder
 
 PathLike = str | os.PathLike
@@ -65,6 +69,31 @@ TORCHTITAN_ONLY = ("initial_load_path", "initial_load_in_hf", "initial_load_in_h
 def step_dir(folder: PathLike, step: int) -> Path | str:
     """The folder of ``step``: ``FOLDER/step-00000500`` (a Path, or a string for URLs)."""
     return _join(folder, step_name(step))
+
+
+def _from_rank0(comm: Comm, compute: Callable[[], list[int]], size: int | None = None) -> list[int]:
+    """``compute()`` run on rank 0, its ints on every rank; a CheckpointError it raises is
+    raised on every rank. ``size``: the number of ints when fixed (one broadcast, else
+    two; one more on error)."""
+    values: list[int] | None = None
+    error: CheckpointError | None = None
+    if comm.rank == 0:
+        try:
+            values = compute()
+        except CheckpointError as exc:
+            error = exc
+    if size is not None:
+        got = comm.broadcast_ints(None if comm.rank else [0 if values is None else 1] + (values or [0] * size),
+                                  size + 1)
+        count, values = (-1 if got[0] == 0 else size), got[1:]
+    else:
+        count = comm.broadcast_ints(None if comm.rank else [-1 if values is None else len(values)], 1)[0]
+        if count > 0:
+            values = comm.broadcast_ints(values, count)
+    if count < 0:
+        status = comm.broadcast_status(describe(error, 0) if error is not None else None)
+        raise error if error is not None else rebuild(status or ("CheckpointError", "rank 0 failed"))
+    return values if count else []
 
 
 def _join(folder: PathLike, name: str) -> Path | str:
@@ -132,6 +161,7 @@ class CheckpointConfig:
             self.keep_last = None  # torchtitan: 0 keeps everything
         if self.load_step is not None and self.load_step < 0:
             self.load_step = None
+        self.exclude_from_loading = list(as_keys(self.exclude_from_loading, "exclude_from_loading") or ())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CheckpointConfig:
@@ -186,7 +216,7 @@ class CheckpointManager:
         load_only: bool = False,
         async_mode: str = "disabled",
         max_staging_bytes: int | None = None,
-        exclude_from_loading: list[str] | tuple[str, ...] = (),
+        exclude_from_loading: str | Iterable[str] = (),
         process_group: Any = None,
         checkpointer: Checkpointer | None = None,
         incremental: bool = False,
@@ -196,7 +226,7 @@ class CheckpointManager:
         self.config = CheckpointConfig(
             folder=str(folder), enable=enable, interval=interval, keep_last=keep_last, keep_every=keep_every,
             keep_best=keep_best, metric=metric, mode=mode, load_only=load_only, async_mode=async_mode,
-            max_staging_bytes=max_staging_bytes, exclude_from_loading=list(exclude_from_loading),
+            max_staging_bytes=max_staging_bytes, exclude_from_loading=exclude_from_loading,  # type: ignore[arg-type]
             incremental=incremental, full_every=full_every, version_skip=version_skip)
         self.folder: Path | str = folder if "://" in os.fspath(folder) else Path(folder)
         self.process_group = process_group
@@ -205,6 +235,7 @@ class CheckpointManager:
         self._owns_checkpointer = checkpointer is None
         self._async = self.config.async_mode != "disabled"
         self._pending_step: int | None = None
+        self._names: dict[int, str] = {}  # step -> its folder's name, as last listed or saved
         self._loaded_step: int | None = None
         self._metrics: dict[int, float | None] = {}  # step -> its stored metric (rank 0's cache)
         self.last_future: SaveFuture | None = None
@@ -243,30 +274,60 @@ class CheckpointManager:
         return self._backend.open(self._location, create=create)
 
     # -- listing ----------------------------------------------------------------------
-    def steps(self) -> list[int]:
-        """Steps with a committed checkpoint (manifest present), ascending, as this rank sees them."""
-        out = []
+    def _listing(self) -> dict[int, str]:
+        """Committed step -> its folder's name, as this rank lists the folder (two folders
+        for one step: CheckpointError naming both)."""
         try:
             with self._open() as f:
-                for name in f.names():
-                    step = parse_step(name)
-                    if step is not None and is_committed(f, name):
-                        out.append(step)
+                names = by_step((n for n in f.names() if parse_step(n) is not None and is_committed(f, n)),
+                                str(self.folder))
         except CheckpointNotFoundError:
-            return []
-        return sorted(out)
+            return {}
+        self._names.update(names)
+        return names
+
+    def steps(self) -> list[int]:
+        """Steps with a committed checkpoint (manifest present), ascending, as this rank sees
+        them. Raises CheckpointError when two folders hold one step (``step-100`` and
+        ``step-00000100``)."""
+        return sorted(self._listing())
+
+    def _agreed_listing(self) -> dict[int, str]:
+        """Rank 0's :meth:`_listing` on every rank (every rank calls it; rank 0's error is
+        raised on every rank)."""
+        comm = resolve(self.process_group)
+
+        def flat() -> list[int]:
+            return [v for step, name in sorted(self._listing().items()) for v in (step, width_of(name))]
+
+        pairs = _from_rank0(comm, flat)
+        names = {pairs[i]: step_name(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)}
+        self._names.update(names)
+        return names
 
     def agreed_steps(self) -> list[int]:
         """Steps with a committed checkpoint as rank 0 lists them, ascending: the same list
         on every rank (every rank calls it)."""
-        comm = resolve(self.process_group)
-        mine = self.steps() if comm.rank == 0 else None
-        count = comm.broadcast_ints([len(mine)] if mine is not None else None, 1)[0]
-        return comm.broadcast_ints(mine, count) if count else []
+        return sorted(self._agreed_listing())
 
     def path(self, step: int) -> Path | str:
-        """The folder of ``step`` in this manager's folder."""
-        return step_dir(self.folder, step)
+        """The folder of ``step`` in this manager's folder: its name as the manager last
+        listed or saved it (``step-100`` for a checkpoint saved by hand under that name),
+        else the name a new save gets (``step-00000100``)."""
+        return _join(self.folder, self._names.get(step) or step_name(step))
+
+    def _warn_no_steps(self) -> None:
+        """Say why a folder without step checkpoints loads nothing, when it holds committed
+        checkpoints under other names (rank 0)."""
+        try:
+            with self._open() as f:
+                others = sorted(n for n in f.names() if not n.startswith(".") and is_committed(f, n))
+        except CheckpointError:
+            return
+        if others:
+            shown = ", ".join(repr(n) for n in others[:5]) + (", ..." if len(others) > 5 else "")
+            warn_user(f"no step checkpoints in {self.folder}: it holds checkpoints named {shown}, and a "
+                      "CheckpointManager loads only folders named step-<N> (like step-100 or step-00000100)")
 
     def _clean(self, folder: Folder) -> None:
         """Repair and delete what interrupted saves and deletions left (rank 0)."""
@@ -315,8 +376,7 @@ class CheckpointManager:
             self._cleaned = True
             with self._open(create=True) as f:
                 self._clean(f)
-        path = self.path(step)
-        base = self._base_for(step)
+        path, base = self._targets(step)
         skip = self.config.version_skip and self.config.incremental
 
         def start(base: Path | str | None) -> SaveFuture | None:
@@ -340,25 +400,41 @@ class CheckpointManager:
         self.last_future = future
         return self.last_future
 
-    def _base_for(self, step: int) -> Path | str | None:
-        """With ``incremental``: the newest committed checkpoint before ``step``, unless the
-        chain ending there already has ``full_every - 1`` incremental saves (then a full
-        save); None otherwise. Rank 0 chooses, every rank gets its choice."""
-        if not self.config.incremental:
-            return None
+    def _targets(self, step: int) -> tuple[Path | str, Path | str | None]:
+        """(the folder to save ``step`` to, the incremental base or None), chosen by rank 0
+        and followed by every rank. The folder is the one that already holds ``step``
+        (whatever its spelling), else ``step_name(step)``. The base (with ``incremental``):
+        the newest committed checkpoint before ``step``, unless the chain ending there
+        already has ``full_every - 1`` incremental saves (then a full save)."""
         comm = resolve(self.process_group)
-        choice = -1
-        if comm.rank == 0:
+        got = _from_rank0(comm, lambda: self._choose_targets(step), size=3)
+        width, base, base_width = got
+        self._names[step] = step_name(step, width)
+        if base >= 0:
+            self._names[base] = step_name(base, base_width)
+        return self.path(step), None if base < 0 else self.path(base)
+
+    def _choose_targets(self, step: int) -> list[int]:
+        """Rank 0's choice for :meth:`_targets`: [width of the step's name, base step or -1,
+        width of the base's name]."""
+        canonical = step_name(step)
+        with self._open(create=True) as f:
+            spelt = [n for n in f.names() if parse_step(n) == step and (n == canonical or is_committed(f, n))]
+            if len(spelt) > 1 and not is_committed(f, canonical):
+                spelt.remove(canonical)
+            name = by_step(spelt, str(self.folder)).get(step, canonical)
+        base, base_width = -1, 0
+        if self.config.incremental:
             try:
-                earlier = [s for s in self.steps() if s < step]
+                earlier = {s: n for s, n in self._listing().items() if s < step}
                 if earlier and self.config.full_every > 1:
-                    m = self.checkpointer.read_manifest(self.path(earlier[-1]), indexes=False)
+                    last = max(earlier)
+                    m = self.checkpointer.read_manifest(_join(self.folder, earlier[last]), indexes=False)
                     if chain_depth(m) + 1 < self.config.full_every:
-                        choice = earlier[-1]
+                        base, base_width = last, width_of(earlier[last])
             except CheckpointError as exc:  # an unreadable newest checkpoint: save in full
                 warn_user(f"incremental save of step {step} is a full save: {exc}")
-        choice = comm.broadcast_ints([choice] if comm.rank == 0 else None, 1)[0]
-        return None if choice < 0 else self.path(choice)
+        return [width_of(name), base, base_width]
 
     def _complete_pending(self) -> None:
         """Wait for the async save in flight; on success apply retention."""
@@ -378,7 +454,12 @@ class CheckpointManager:
         cfg = self.config
         if resolve(self.process_group).rank != 0 or (cfg.keep_last is None and cfg.keep_best is None):
             return
-        steps = self.steps()
+        try:
+            names = self._listing()
+        except CheckpointError as exc:  # e.g. two folders for one step: the user must choose
+            warn_user(f"retention skipped: {exc}")
+            return
+        steps = sorted(names)
         keep = set(steps[-cfg.keep_last:]) if cfg.keep_last else set()
         if cfg.keep_every:
             keep |= {s for s in steps if s % cfg.keep_every == 0}
@@ -388,14 +469,14 @@ class CheckpointManager:
         if self._loaded_step is not None:
             keep.add(self._loaded_step)
         try:
-            needed = self._referenced(sorted(s for s in steps if s in keep), set(steps))
+            needed = self._referenced([names[s] for s in steps if s in keep], set(names.values()))
         except CheckpointError as exc:  # unreadable kept manifest: delete nothing this time
             warn_user(f"retention skipped: {exc}")
             return
         with self._open() as f:
             for s in steps:
                 if s not in keep:
-                    name = step_name(s)
+                    name = names[s]
                     try:
                         if needed.get(name):
                             retire_checkpoint(f, name, needed[name])
@@ -405,21 +486,23 @@ class CheckpointManager:
                         warn_user(f"retention could not delete {self.path(s)}: {exc}")
                         continue
                     self._metrics.pop(s, None)
+                    self._names.pop(s, None)
             for name in f.names():
-                if parse_step(name) is None or parse_step(name) in steps:
+                if parse_step(name) is None or name in names.values():
                     continue
                 kept = retired_files(f, name)
                 if kept is not None and (kept != needed.get(name, set()) or not kept):
                     with contextlib.suppress(CheckpointError):
                         prune_retired(f, name, needed.get(name, set()))
 
-    def _referenced(self, kept: list[int], steps: set[int]) -> dict[str, set[str]]:
-        """Checkpoint name -> the data files in it that the kept steps, and any other
-        committed checkpoint in the folder (one saved there by hand, not a step), refer to."""
-        paths = [self.path(s) for s in kept]
+    def _referenced(self, kept: list[str], steps: set[str]) -> dict[str, set[str]]:
+        """Checkpoint name -> the data files in it that the kept step folders ``kept``, and
+        any other committed checkpoint in the folder (not one of the step folders
+        ``steps``: one saved there by hand under another name), refer to."""
+        paths = [_join(self.folder, name) for name in kept]
         with self._open() as f:
             for name in sorted(f.names()):
-                if not name.startswith(".") and parse_step(name) not in steps and is_committed(f, name):
+                if not name.startswith(".") and name not in steps and is_committed(f, name):
                     paths.append(_join(self.folder, name))
         out: dict[str, set[str]] = {}
         for i, path in enumerate(paths):

@@ -11,7 +11,11 @@ mismatches). Rules (docs/format.md, "Loading"):
 - a plain value in the destination is replaced by the saved value; a list or tuple of a
   different length is replaced whole;
 - a Stateful is asked for its ``state_dict()``, that tree is filled by these rules, and
-  ``load_state_dict`` is called with it once all data is in.
+  ``load_state_dict`` is called with it once all data is in;
+- a key equal to or below an ``exclude`` pattern (a dotted key or prefix) is left as the
+  destination has it, and not added where the destination lacks it; a pattern that
+  matches no key of the destination and none of the checkpoint is an error
+  (:meth:`Matcher.check_exclude`), so a typo never loads everything silently.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ..errors import (
 from ..format.dtypes import torch_dtype
 from ..format.manifest import Manifest
 from ..format.values import decode
+from ..hints import as_keys, nearest, unmatched
 from ..layout import Box
 from .fit import fit_problems
 from .sharding import dtensor_pieces, is_dtensor, local_of
@@ -117,7 +122,9 @@ class Matcher:
         cast_dtype: bool = False,
     ) -> None:
         self.cast_dtype = cast_dtype
-        self.exclude = tuple(exclude)
+        self.exclude = as_keys(exclude, "exclude") or ()
+        self._used: set[str] = set()  # excluded patterns that met a key of the destination
+        self._seen: set[str] = set()  # destination keys met (only while excluding: for hints)
         self.manifest = manifest
         self.rank = rank
         self.world = world
@@ -163,8 +170,28 @@ class Matcher:
         return self.rank_local_tree(key)
 
     def _excluded(self, path: str) -> bool:
-        """True when ``path`` is one of the excluded keys or lies below one."""
-        return any(path == e or path.startswith(e + ".") for e in self.exclude)
+        """True when ``path`` is one of the excluded keys or lies below one (and remembers
+        which patterns met a key)."""
+        if not self.exclude:
+            return False
+        self._seen.add(path)
+        hits = [e for e in self.exclude if path == e or path.startswith(e + ".")]
+        self._used.update(hits)
+        return bool(hits)
+
+    def check_exclude(self, saved_tree: Any, what: str = "exclude pattern") -> None:
+        """Record an error (first in the list) for each excluded pattern that matched no key
+        of the destination met while matching and no key of ``saved_tree``: a typo would
+        otherwise load everything, silently. Call it after :meth:`match`."""
+        unused = [e for e in self.exclude if e not in self._used]
+        if not unused:
+            return
+        from .saved import walk
+
+        saved = {".".join(parts) for parts, _, _ in walk(saved_tree) if parts}
+        errors = [unmatched(what, e, saved | self._seen, "the checkpoint or the destination") for e in unused
+                  if not any(k == e or k.startswith(e + ".") for k in saved)]
+        self.result.errors[:0] = errors
 
     # -- matching -----------------------------------------------------------------
     def match(self, dest: Any, saved: Any, parts: list[str], top: bool = False, private: bool = False) -> Any:
@@ -221,7 +248,7 @@ class Matcher:
             for k, v in list(dest.items()):
                 if k not in saved_map:
                     child = join_key(parts + [str(k)])
-                    if self.strict and not self._excluded(child):
+                    if not self._excluded(child) and self.strict:
                         self.result.errors.append(MissingKeysError(
                             f"key '{child}' is not in the checkpoint{_nearby(str(k), saved_map, parts)}"))
                     continue
@@ -233,7 +260,7 @@ class Matcher:
                         self.result.assigns.append(_setter(dest, k, new))
             if not top:
                 for k, v in items:
-                    if k not in dest:
+                    if k not in dest and not self._excluded(join_key(parts + [str(k)])):
                         fresh = self._fresh_or_error(v, join_key(parts + [str(k)]))
                         if private:
                             target[k] = fresh
@@ -312,8 +339,6 @@ def _setter(container: Any, k: Any, v: Any) -> Callable[[], None]:
 
 def _nearby(key: str, saved: dict, parts: list[str]) -> str:
     """"; the checkpoint has ..." naming the saved keys at that level, closest first."""
-    from ..hints import nearest
-
     names = [str(k) for k in saved]
     if not names:
         return "; the checkpoint has nothing there"

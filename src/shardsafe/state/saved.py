@@ -81,7 +81,10 @@ def select(tree: Any, wanted: list[str]) -> Any:
     out = visit(tree, [])
     missing = [w for w, ok in found.items() if not ok]
     if missing:
-        raise MissingKeysError(f"no key or key prefix {missing[0]!r} in the checkpoint")
+        from ..hints import key_hint
+
+        keys = [".".join(parts) for parts, _, _ in walk(tree) if parts]
+        raise MissingKeysError(f"no key or key prefix {missing[0]!r} in the checkpoint{key_hint(missing[0], keys)}")
     return {} if out is _DROP else out
 
 
