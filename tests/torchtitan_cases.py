@@ -17,8 +17,13 @@ newer torch); the library needs none of them:
 1. ``torchtitan.distributed.minimal_async_ep.kernels`` imports triton (MoE kernels, unused by
    llama3): a stub module stands in for it;
 2. no CUDA: torchtitan's device type / module are set to CPU shims;
-3. ``torch.distributed.set_timeout`` (newer torch) is missing in 2.13: a no-op;
-4. gloo has no PREMUL_SUM: FSDP is told to reduce with SUM (factor 1, same math);
+3. ``torch.distributed.set_timeout`` (newer torch) is missing in 2.13: it is given torch
+   2.13's own ``distributed_c10d._set_pg_timeout(timeout, group)``, which really sets the
+   timeout of the (gloo) group, so torchtitan's shorter training timeout takes effect;
+4. gloo has no PREMUL_SUM (what FSDP reduces with once torchtitan sets the divide factor to
+   1): after each Trainer is built, every FSDPModule of its model parts is told, through the
+   public ``set_force_sum_reduction_for_comms(True)``, to reduce with SUM (factor 1, same
+   math; FSDP reads the flag at each reduction, so setting it after ``parallelize`` counts);
 5. flex attention has no CPU backward: an override runs SDPA on the dense mask;
 6. the trainer's 2 s end-of-training sleep is skipped;
 7. on 2 ranks the tests pass ``--parallelism.spmd_backend partial_dtensor`` (torch 2.13's
@@ -47,7 +52,7 @@ def _unavailable(*args: Any, **kwargs: Any) -> None:
 
 
 def cpu_workarounds() -> None:
-    """Apply workarounds 1-4 and 6 (idempotent); must run before torchtitan is imported."""
+    """Apply workarounds 1-3 and 6 (idempotent); must run before torchtitan is imported."""
     if _KERNELS not in sys.modules:
         stub = types.ModuleType(_KERNELS)
         for name in _KERNEL_NAMES:
@@ -73,18 +78,9 @@ def cpu_workarounds() -> None:
 
     tt_utils.device_type, tt_utils.device_module = "cpu", CpuDeviceModule()
     if not hasattr(dist, "set_timeout"):
-        dist.set_timeout = lambda timeout, group=None: None
-    from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.distributed_c10d import _set_pg_timeout
 
-    if not getattr(FSDPModule.set_gradient_divide_factor, "_cpu_patched", False):
-        original = FSDPModule.set_gradient_divide_factor
-
-        def set_gradient_divide_factor(self: Any, factor: float) -> None:
-            original(self, factor)
-            self.set_force_sum_reduction_for_comms(True)
-
-        set_gradient_divide_factor._cpu_patched = True  # type: ignore[attr-defined]
-        FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
+        dist.set_timeout = _set_pg_timeout
     import torchtitan.trainer as trainer_mod
 
     class NoSleep:
@@ -182,11 +178,18 @@ def state_digest(trainer: Any, model_dtype: str | None = None) -> dict[str, Any]
 
 # ------------------------------------------------------------------------------- jobs
 def build(args: list[str]) -> Any:
-    """A torchtitan Trainer for ``BASE_ARGS + args``."""
+    """A torchtitan Trainer for ``BASE_ARGS + args``, its FSDP modules reducing with SUM
+    (workaround 4)."""
+    from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import ConfigManager
 
     config = ConfigManager().parse_args(BASE_ARGS + list(args))
-    return config.build()
+    trainer = config.build()
+    for part in trainer.model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    return trainer
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
