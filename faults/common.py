@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import math
 import os
-import struct
+import sys
 import threading
 import time
 from collections import Counter
@@ -20,6 +20,13 @@ import torch
 
 import shardsafe
 from shardsafe.errors import CheckpointError
+
+# The one bitwise comparison (tests/bitwise.py), shared with the tests: dicts compare by their
+# items, tensors by dtype, shape and bytes, plain values by type and bits.
+_TESTS = str(Path(__file__).resolve().parent.parent / "tests")
+if _TESTS not in sys.path:
+    sys.path.append(_TESTS)
+from bitwise import bitwise_equal, first_difference, same_value  # noqa: E402, F401 (re-exported)
 
 MiB = 1 << 20
 
@@ -200,61 +207,10 @@ def seq_of(tree: Any) -> int | None:
 # ----------------------------------------------------------------------------- trees and sentinels
 
 
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a tensor (a DTensor: of its local shard), row-major."""
-    t = local(t)
-    return t.detach().clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
-
-
 def local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def same_value(a: Any, b: Any) -> bool:
-    """Plain values equal bitwise (NaN equals NaN, -0.0 differs from 0.0, types kept)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float):
-        return struct.pack("<d", a) == struct.pack("<d", b) or (math.isnan(a) and math.isnan(b))
-    return bool(a == b)
-
-
-def bitwise_equal(a: Any, b: Any) -> bool:
-    """Two trees are the same: containers of the same types and keys, tensors of the same
-    dtype, shape and bytes, plain values :func:`same_value`."""
-    if isinstance(a, torch.Tensor):
-        if not isinstance(b, torch.Tensor):
-            return False
-        la, lb = local(a), local(b)
-        return la.dtype == lb.dtype and la.shape == lb.shape and torch.equal(raw(la), raw(lb))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b))
-    return same_value(a, b)
-
-
-def first_difference(a: Any, b: Any, path: str = "") -> str | None:
-    """Where two trees first differ (for reports), or None."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return None if bitwise_equal(a, b) else path or "<root>"
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return f"{path}: keys differ"
-        for k in a:
-            found = first_difference(a[k], b[k], f"{path}.{k}" if path else str(k))
-            if found:
-                return found
-        return None
-    if isinstance(a, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
-            found = first_difference(x, y, f"{path}.{i}" if path else str(i))
-            if found:
-                return found
-        return None
-    return None if same_value(a, b) else f"{path or '<root>'}: {a!r:.60} vs {b!r:.60}"
 
 
 def fill_sentinel(t: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardsafe
+from bitwise import assert_bitwise, first_difference
 
 
 class Block(nn.Module):
@@ -128,26 +129,21 @@ def tensors_of(tree, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_bitwise(a, b, path: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b)}"
-        assert a.dtype == b.dtype and a.shape == b.shape, (
-            f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-        )
-        def raw(t: torch.Tensor) -> torch.Tensor:  # standard strides (a 1-element view may have any)
-            return t.detach().clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
+def dtensor_differences(rank: int, world: int) -> dict:
+    """What bitwise.first_difference says of DTensors: the same, a changed shard, other
+    placements, a DTensor against its local shard (see test_bitwise)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        assert torch.equal(raw(a), raw(b)), f"{path}: values differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for k in a:
-            assert_bitwise(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), f"{path}: {a!r} vs {b!r}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise(x, y, f"{path}.{i}")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
+    mesh = init_device_mesh("cpu", (world,))
+    a = DTensor.from_local(torch.zeros(2), mesh, [Shard(0)])
+    changed = a.to_local().clone()
+    changed[0] = 1.0
+    b = DTensor.from_local(changed, mesh, [Shard(0)])
+    r = DTensor.from_local(torch.zeros(2 * world), mesh, [Replicate()])  # the same global shape
+    return {"same": first_difference({"t": a}, {"t": DTensor.from_local(torch.zeros(2), mesh, [Shard(0)])}),
+            "shard": first_difference({"t": a}, {"t": b}), "placement": first_difference({"t": a}, {"t": r}),
+            "plain": first_difference({"t": a}, {"t": a.to_local()})}
 
 
 def save_trained(rank: int, world: int, layout: str, path: str, ref_path: str) -> dict:

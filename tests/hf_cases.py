@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 import shardsafe  # noqa: E402
-from dist_cases import assert_bitwise  # noqa: E402
+from bitwise import assert_bitwise  # noqa: E402
 
 VOCAB = 96
 KINDS = ("gpt2", "llama")

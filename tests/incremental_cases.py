@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 import shardsafe
-from dist_cases import assert_bitwise, build, full_reference, train_state
+from bitwise import assert_bitwise
+from dist_cases import build, full_reference, train_state
 
 
 def _change(model: torch.nn.Module, opt: torch.optim.Optimizer, rng: random.Random) -> list[str]:

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardsafe
-from dist_cases import assert_bitwise, full_reference
+from bitwise import assert_bitwise
+from dist_cases import full_reference
 from shardsafe.data import ElasticSampler, keep_global_batch, per_rank_batch
 from shardsafe.state.rng import derive_seed
 

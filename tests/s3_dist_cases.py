@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 import shardsafe
-from dist_cases import assert_bitwise, big_replicated, build, data_rank, full_reference, train, train_state
+from bitwise import assert_bitwise
+from dist_cases import big_replicated, build, data_rank, full_reference, train, train_state
 
 
 def _opts(opts, rank: int) -> dict:

@@ -26,6 +26,7 @@ import torch
 import async_cases
 import dist_cases
 import shardsafe
+from bitwise import assert_bitwise, tensor_bytes
 from dist_cases import tensors_of
 from shardsafe import CheckpointConfig, CheckpointManager, CorruptCheckpointError
 from shardsafe.engine import writer as writer_mod
@@ -33,7 +34,6 @@ from shardsafe.format.manifest import MANIFEST_NAME
 from shardsafe.storage.faults import Fault, FaultyBackend
 
 MiB = 1 << 20
-assert_bitwise = dist_cases.assert_bitwise
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -115,8 +115,7 @@ def chunk_bytes(path: Path) -> dict[tuple[str, tuple[int, ...]], tuple[tuple[int
 
 
 def raw(t: torch.Tensor) -> bytes:
-    t = t.detach().contiguous().reshape(-1)
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return tensor_bytes(t).numpy().tobytes()
 
 
 def entries(folder: Path) -> list[str]:

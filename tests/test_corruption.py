@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import shardsafe
+from bitwise import tensor_bytes, tensors_equal
 from format2 import as_format2
 from shardsafe import (
     CheckpointNotFoundError,
@@ -21,10 +22,6 @@ from shardsafe import (
 from shardsafe.format.manifest import MANIFEST_NAME, Manifest
 
 MIB = 1 << 20
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def state() -> dict:
@@ -55,16 +52,16 @@ def assert_dest_untouched(dest: dict) -> None:
     assert dest["step"] == -1
     for get in (lambda d: d["big"], lambda d: d["model"]["w"], lambda d: d["model"]["b"],
                 lambda d: d["half"], lambda d: d["last"]):
-        assert torch.equal(raw(get(dest)), raw(get(fresh))), "a failed load wrote into the destination"
+        assert tensors_equal(get(dest), get(fresh)), "a failed load wrote into the destination"
 
 
 def assert_loads_correctly(path: Path) -> None:
     want = state()
     out = shardsafe.load_full(path)
     assert out["step"] == 12
-    assert torch.equal(raw(out["big"]), raw(want["big"]))
-    assert torch.equal(raw(out["model"]["w"]), raw(want["model"]["w"]))
-    assert torch.equal(raw(out["last"]), raw(want["last"]))
+    assert tensors_equal(out["big"], want["big"])
+    assert tensors_equal(out["model"]["w"], want["model"]["w"])
+    assert tensors_equal(out["last"], want["last"])
 
 
 def make_ckpt(tmp_path: Path, fmt: int = 3) -> tuple[Path, Path]:
@@ -149,7 +146,7 @@ def test_flipped_data_byte_detected(tmp_path, case):
         # Loading only other keys does not need the damaged bytes.
         other = "last" if where != "last" else "big"
         out = shardsafe.load_full(path, keys=[other])
-        assert torch.equal(raw(out[other]), raw(state()[other]))
+        assert tensors_equal(out[other], state()[other])
 
 
 @pytest.mark.parametrize("key", ["big", "model.w", "last"])
@@ -165,7 +162,7 @@ def test_verify_false_skips_data_checksums(tmp_path, key):
     want = state()
     for part in key.split("."):
         want = want[part]
-    diff = (raw(got) != raw(want)).nonzero().reshape(-1).tolist()
+    diff = (tensor_bytes(got) != tensor_bytes(want)).nonzero().reshape(-1).tolist()
     assert diff == [pos - start], "verify=False must load the bytes as they are on disk"
 
     dest = sentinel_dest()
@@ -174,7 +171,7 @@ def test_verify_false_skips_data_checksums(tmp_path, key):
     target = dest
     for part in key.split("."):
         target = target[part]
-    assert torch.equal(raw(target), raw(got))
+    assert tensors_equal(target, got)
 
 
 def test_stateful_destination_untouched_on_corruption(tmp_path):
@@ -190,7 +187,7 @@ def test_stateful_destination_untouched_on_corruption(tmp_path):
         shardsafe.load({"model": dst}, path)
     assert "'model.weight'" in str(ei.value)
     for k, v in dst.state_dict().items():
-        assert torch.equal(raw(v), raw(before[k]))
+        assert tensors_equal(v, before[k])
 
 
 # --------------------------------------------------------------------------- manifest bytes
@@ -397,8 +394,8 @@ def test_format_1_checkpoint_still_loads(tmp_path):
     shardsafe.load(dest, path)
     want = state()
     for k in ("big", "half", "last"):
-        assert torch.equal(raw(dest[k]), raw(want[k]))
-    assert torch.equal(raw(dest["model"]["w"]), raw(want["model"]["w"])) and dest["step"] == 12
+        assert tensors_equal(dest[k], want[k])
+    assert tensors_equal(dest["model"]["w"], want["model"]["w"]) and dest["step"] == 12
 
 
 @pytest.mark.parametrize("case", ["chunk_not_object", "checksums_not_list", "box_rank_differs", "byte_range_past_end"])

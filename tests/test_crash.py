@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import shardsafe
+from bitwise import tensors_equal
 from shardsafe import CheckpointNotFoundError
 
 # Shared by the child (exec'd there) and the parent: two distinct deterministic states of
@@ -93,16 +94,12 @@ def _states() -> dict:
     return {w: ns["make_state"](w) for w in "AB"}
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
 def _matches(out: dict, want: dict) -> bool:
     if out.keys() != want.keys() or out["which"] != want["which"] or out["meta"] != want["meta"]:
         return False
     if out["tensors"].keys() != want["tensors"].keys():
         return False
-    return all(torch.equal(_raw(out["tensors"][k]), _raw(v)) for k, v in want["tensors"].items())
+    return all(tensors_equal(out["tensors"][k], v) for k, v in want["tensors"].items())
 
 
 def _wait_for(flag: Path, zygote: subprocess.Popen, errlog: Path, timeout: float = 60.0) -> None:

@@ -16,6 +16,7 @@ import torch
 
 import dist_cases
 import shardsafe
+from bitwise import assert_bitwise
 from shardsafe.format.dtypes import itemsize, torch_dtype
 from shardsafe.format.manifest import MANIFEST_NAME, Manifest
 
@@ -242,8 +243,8 @@ def test_rank_local_load_full_by_rank(rank_local_ckpt):
         full = shardsafe.load_full(rank_local_ckpt, rank=r)
         assert set(full) == {"rng", "w"}
         assert full["rng"]["seed"] == r
-        dist_cases.assert_bitwise(torch.full((3,), r), full["rng"]["t"], "rng.t")
-        dist_cases.assert_bitwise(torch.arange(6.0), full["w"], "w")
+        assert_bitwise(torch.full((3,), r), full["rng"]["t"], "rng.t")
+        assert_bitwise(torch.arange(6.0), full["w"], "w")
 
 
 # ----------------------------------------------------------------------------- world 4: errors agree
@@ -310,7 +311,7 @@ def test_explicit_process_groups(pg_pool, tmp_path):
         assert m.world_size == 2
         assert list(m.rank_local["mine"]) == [{"r": 2 * g}, {"r": 2 * g + 1}]
         assert {c.rank for c in m.tensors["w"].chunks} <= {0, 1}
-        dist_cases.assert_bitwise(torch.full((5,), float(g)), shardsafe.load_full(tmp_path / f"g{g}")["w"])
+        assert_bitwise(torch.full((5,), float(g)), shardsafe.load_full(tmp_path / f"g{g}")["w"])
 
 
 # ----------------------------------------------------------------------------- world 4: replicated planning
@@ -329,7 +330,7 @@ def test_large_replicated_tensor_split_across_ranks(pg_pool, tmp_path):
     per_rank = bytes_by_rank(m)
     assert max(per_rank.values()) <= 1.15 * sum(per_rank.values()) / 4, per_rank
     got = shardsafe.load_full(path)
-    dist_cases.assert_bitwise(dist_cases.big_replicated([shape]), got)
+    assert_bitwise(dist_cases.big_replicated([shape]), got)
 
 
 def test_replicated_writes_balanced(pg_pool, tmp_path):
@@ -346,7 +347,7 @@ def test_replicated_writes_balanced(pg_pool, tmp_path):
     assert max(per_rank.values()) / mean <= 1.15, per_rank
     # Spot-check the data of the smallest tensor through load_full.
     got = shardsafe.load_full(path, keys="t1")
-    dist_cases.assert_bitwise(dist_cases.big_replicated(shapes)["t1"], got["t1"])
+    assert_bitwise(dist_cases.big_replicated(shapes)["t1"], got["t1"])
 
 
 # ----------------------------------------------------------------------------- world 3
@@ -373,7 +374,7 @@ def test_round_trip_4_3_4(pg_pool, ckpts, tmp_path):
     assert_files_consistent(mid, m)
     pg_pool(4).run(dist_cases.load_into, "fsdp", str(mid), str(ref))
     # Same logical content both ways, read without a process group too.
-    dist_cases.assert_bitwise(shardsafe.load_full(path), shardsafe.load_full(mid))
+    assert_bitwise(shardsafe.load_full(path), shardsafe.load_full(mid))
 
 
 # ----------------------------------------------------------------------------- world 8
@@ -427,7 +428,7 @@ def test_fsdp_4_to_single_process(ckpts):
     assert info.tensors > 0
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     got = dist_cases.full_reference(dist_cases.train_state(model, opt))
-    dist_cases.assert_bitwise(torch.load(ref, weights_only=True), got)
+    assert_bitwise(torch.load(ref, weights_only=True), got)
 
 
 def test_save_through_a_one_rank_group_whose_rank_is_not_global_rank_0(pg_pool, tmp_path):

@@ -11,13 +11,11 @@ import threading
 import pytest
 import torch
 
-import dist_cases
 import hardening_cases
 import shardsafe
+from bitwise import assert_bitwise
 from shardsafe.data import ElasticSampler
 from shardsafe.storage.faults import Fault, FaultyBackend
-
-assert_bitwise = dist_cases.assert_bitwise
 
 
 def snapshot(obj) -> dict:

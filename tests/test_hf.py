@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_cases  # noqa: E402
 import shardsafe  # noqa: E402
-from dist_cases import assert_bitwise  # noqa: E402
+from bitwise import assert_bitwise  # noqa: E402
 from shardsafe.hf_folder import HFFolderError, config_state, rename_names  # noqa: E402
 from shardsafe.tools import export_checkpoint, import_checkpoint  # noqa: E402
 from shardsafe.tools.cli import main  # noqa: E402

@@ -13,11 +13,9 @@ import time
 import pytest
 import torch
 
-import dist_cases
 import shardsafe
+from bitwise import assert_bitwise
 from shardsafe.storage.faults import Fault, FaultyBackend
-
-assert_bitwise = dist_cases.assert_bitwise
 
 
 @pytest.fixture

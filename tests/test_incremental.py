@@ -19,6 +19,7 @@ import torch
 
 import incremental_cases
 import shardsafe
+from bitwise import assert_bitwise
 from shardsafe import CheckpointError, CheckpointManager, CorruptCheckpointError
 from shardsafe.format.manifest import MANIFEST_NAME
 from shardsafe.tools.copy import copy_checkpoint
@@ -43,18 +44,6 @@ def clone(state):
     if isinstance(state, dict):
         return {k: clone(v) for k, v in state.items()}
     return state
-
-
-def assert_same(a, b, path=""):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), path
-    elif isinstance(a, dict):
-        assert set(a) == set(b), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-    else:
-        assert a == b, path
 
 
 def tensors_of(state, prefix=""):
@@ -121,7 +110,7 @@ def test_chain_of_ten_random_changes_bitwise(tmp_path):
             assert info.bytes_referred == unchanged
         previous = tmp_path / f"c{i}"
     for i, snap in enumerate(snaps):
-        assert_same(snap, shardsafe.load_full(tmp_path / f"c{i}"))
+        assert_bitwise(snap, shardsafe.load_full(tmp_path / f"c{i}"))
         m = shardsafe.read_manifest(tmp_path / f"c{i}")
         assert m.version == (3, 1)
         for ref in m.refs:  # the referenced file is one the named checkpoint wrote itself
@@ -140,7 +129,7 @@ def test_incremental_bytes_written_and_load_in_place(tmp_path):
     assert full.bytes_written > total
     dest = make_state(seed=5)
     shardsafe.load(dest, tmp_path / "b")
-    assert_same(state, dest)
+    assert_bitwise(state, dest)
 
 
 def test_async_save_with_base(tmp_path):
@@ -154,7 +143,7 @@ def test_async_save_with_base(tmp_path):
     state["model"]["layer2.weight"].add_(5)  # after staging: not in checkpoint b
     info = fut.result()
     assert info.chunks_referred >= 5
-    assert_same(snap, shardsafe.load_full(tmp_path / "b"))
+    assert_bitwise(snap, shardsafe.load_full(tmp_path / "b"))
 
 
 def test_dtype_or_shape_change_is_written(tmp_path):
@@ -167,7 +156,7 @@ def test_dtype_or_shape_change_is_written(tmp_path):
     held = holders(tmp_path / "b")
     assert held["model.layer0.weight"] == "." and held["model.layer1.weight"] == "."
     assert held["model.layer2.weight"] == "a"
-    assert_same(state, shardsafe.load_full(tmp_path / "b"))
+    assert_bitwise(state, shardsafe.load_full(tmp_path / "b"))
 
 
 def test_version_skip_reuses_digests_and_plain_mode_sees_data_writes(tmp_path, monkeypatch):
@@ -189,7 +178,7 @@ def test_version_skip_reuses_digests_and_plain_mode_sees_data_writes(tmp_path, m
         # every unchanged chunk hashed in full; layer3 already fails the first-block check
         assert len(calls) == len(tensors_of(state)) - 1
         assert holders(tmp_path / "c")["model.layer3.weight"] == "."
-        assert_same(state, shardsafe.load_full(tmp_path / "c"))
+        assert_bitwise(state, shardsafe.load_full(tmp_path / "c"))
     finally:
         cp.close()
 
@@ -222,7 +211,7 @@ def test_corrupted_referenced_block_fails_load_and_leaves_model_untouched(tmp_pa
     before = clone(dest)
     with pytest.raises(CorruptCheckpointError, match=r"a/data-r00000-00\.safetensors.*model\.layer4\.weight"):
         shardsafe.load(dest, tmp_path / "b")
-    assert_same(before, dest)
+    assert_bitwise(before, dest)
     report = verify_checkpoint(tmp_path / "b")
     assert not report.ok and any("model.layer4.weight" == p.key and "a/data-" in (p.file or "")
                                  for p in report.problems)
@@ -259,7 +248,7 @@ def test_tools_ls_verify_inspect_copy(tmp_path):
         assert torch.equal(exported[k], t), k
     copy_checkpoint(tmp_path / "b", tmp_path / "elsewhere" / "b2")
     shutil.rmtree(tmp_path / "a")  # the copy needs nothing outside its folder
-    assert_same(state, shardsafe.load_full(tmp_path / "elsewhere" / "b2"))
+    assert_bitwise(state, shardsafe.load_full(tmp_path / "elsewhere" / "b2"))
     assert verify_checkpoint(tmp_path / "elsewhere" / "b2").ok
     m = shardsafe.read_manifest(tmp_path / "elsewhere" / "b2")
     assert m.refs and all(r.checkpoint == "" for r in m.refs)
@@ -296,7 +285,7 @@ def test_manager_incremental_keep_last_two(tmp_path):
             kept = mgr.steps()
             assert kept == [s for s in (step - 1, step) if s >= 1]
             for s in kept:
-                assert_same(snaps[s], shardsafe.load_full(mgr.path(s)))
+                assert_bitwise(snaps[s], shardsafe.load_full(mgr.path(s)))
             refs = set()
             for s in kept:
                 refs |= {(r.checkpoint, r.name) for r in shardsafe.read_manifest(mgr.path(s), indexes=False).refs}
@@ -320,7 +309,7 @@ def test_manager_async_incremental(tmp_path):
         mgr.wait()
         m = shardsafe.read_manifest(mgr.path(2), indexes=False)
         assert [r.checkpoint for r in m.refs] == ["step-00000001"]
-        assert_same(state, shardsafe.load_full(mgr.path(2)))
+        assert_bitwise(state, shardsafe.load_full(mgr.path(2)))
 
 
 # --------------------------------------------------------------------------- distributed
@@ -431,7 +420,7 @@ def test_sigkill_during_saves_and_retention(tmp_path):
         steps = mgr.steps()
         assert steps, (kill_at, delay)
         for s in steps:
-            assert_same(_expected(s), shardsafe.load_full(mgr.path(s)))
+            assert_bitwise(_expected(s), shardsafe.load_full(mgr.path(s)))
             assert verify_checkpoint(mgr.path(s)).ok
         mgr.close()
         step = max(steps[-1], step)
@@ -449,7 +438,7 @@ def test_delete_refuses_a_referenced_checkpoint(tmp_path):
     state = a_then_b(tmp_path)
     with pytest.raises(CheckpointError, match=r"refer to its data \(b\)"):
         shardsafe.delete(tmp_path / "a")
-    assert_same(state, shardsafe.load_full(tmp_path / "b"))
+    assert_bitwise(state, shardsafe.load_full(tmp_path / "b"))
     assert shardsafe.delete(tmp_path / "b") and shardsafe.delete(tmp_path / "a")
     assert list(tmp_path.iterdir()) == []
 
@@ -508,7 +497,7 @@ def test_overwriting_or_saving_onto_referenced_data_is_refused(tmp_path):
     state = a_then_b(tmp_path)
     with pytest.raises(CheckpointError, match=r"cannot replace .* refer to its data \(b\)"):
         shardsafe.save(state, tmp_path / "a", overwrite=True)
-    assert_same(state, shardsafe.load_full(tmp_path / "b"))
+    assert_bitwise(state, shardsafe.load_full(tmp_path / "b"))
 
 
 def test_manager_rewind_onto_a_retired_step_names_the_referrers(tmp_path):
@@ -518,7 +507,7 @@ def test_manager_rewind_onto_a_retired_step_names_the_referrers(tmp_path):
         assert (tmp_path / "step-00000001" / "retired.json").exists()
         with pytest.raises(CheckpointError, match=r"retired checkpoint .*\(step-00000002\)"):
             mgr.save(1, state)
-    assert_same(state, shardsafe.load_full(tmp_path / "step-00000002"))
+    assert_bitwise(state, shardsafe.load_full(tmp_path / "step-00000002"))
 
 
 def test_damaged_base_gives_a_full_save_in_the_manager(tmp_path):
@@ -540,7 +529,7 @@ def test_damaged_base_gives_a_full_save_in_the_manager(tmp_path):
         with pytest.warns(UserWarning, match="saved in full"):
             mgr.save(2, state)
         assert not shardsafe.read_manifest(mgr.path(2), indexes=False).refs
-    assert_same(state, shardsafe.load_full(run / "step-00000002"))
+    assert_bitwise(state, shardsafe.load_full(run / "step-00000002"))
 
 
 def test_format_2_base_refers_to_nothing(tmp_path):
@@ -551,7 +540,7 @@ def test_format_2_base_refers_to_nothing(tmp_path):
     write_format2(tmp_path / "a")
     info = shardsafe.save(state, tmp_path / "b", base=tmp_path / "a")
     assert info.bytes_referred == 0
-    assert_same(state, shardsafe.load_full(tmp_path / "b"))
+    assert_bitwise(state, shardsafe.load_full(tmp_path / "b"))
 
 
 def test_retention_keeps_what_other_checkpoints_in_the_folder_refer_to(tmp_path):
@@ -562,7 +551,7 @@ def test_retention_keeps_what_other_checkpoints_in_the_folder_refer_to(tmp_path)
         shardsafe.save(state, tmp_path / "best", base=mgr.path(1))  # saved by hand beside the steps
         mgr.save(2, state)
         mgr.save(3, state)
-    assert_same(state, shardsafe.load_full(tmp_path / "best"))
+    assert_bitwise(state, shardsafe.load_full(tmp_path / "best"))
 
 
 def test_a_retired_folder_left_without_its_files_is_finished_later(tmp_path):
@@ -604,7 +593,7 @@ def test_hostile_retired_json_and_refs_do_not_crash_tools_or_retention(tmp_path)
             with LocalBackend().open(str(tmp_path / "step-00000001")) as f:
                 assert "data-r00000-00.safetensors" in _manifest_files(f)  # unreadable list: keep everything
         mgr.save(3, state)
-        assert_same(state, shardsafe.load_full(mgr.path(3)))
+        assert_bitwise(state, shardsafe.load_full(mgr.path(3)))
 
 
 def test_a_base_tensor_named_like_a_rank_local_one(tmp_path):
@@ -679,7 +668,7 @@ def test_unreferenced_retired_folder_can_be_deleted_or_saved_onto(tmp_path):
         shardsafe.delete(tmp_path / "step-00000001")
     assert shardsafe.delete(tmp_path / "step-00000002")
     shardsafe.save(state, tmp_path / "step-00000001")  # nothing refers to the retired one any more
-    assert_same(state, shardsafe.load_full(tmp_path / "step-00000001"))
+    assert_bitwise(state, shardsafe.load_full(tmp_path / "step-00000001"))
     with CheckpointManager(tmp_path / "other", interval=1, keep_last=1, incremental=True) as mgr:
         save_1_and_2(mgr, state)
         assert shardsafe.delete(mgr.path(2))

@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 import torch
 
+from bitwise import assert_bitwise
+
 L = pytest.importorskip("lightning")
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -107,22 +109,9 @@ class RecordingIO(ShardsafeCheckpointIO):
 
 
 def assert_same(a: Any, b: Any, where: str = "checkpoint") -> None:
-    """Equal values of equal types (dict subclasses compare as dicts), tensors bitwise."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict), f"{where}: {type(b).__name__}, expected a dict"
-        assert list(a) == list(b), f"{where}: keys {list(b)} != {list(a)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}[{k!r}]")
-        return
-    assert type(a) is type(b), f"{where}: {type(b).__name__}, expected {type(a).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{where}: tensors differ"
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{where}: length {len(b)} != {len(a)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {b!r} != {a!r}"
+    """Equal values of equal types, keys in the same order (dict subclasses compare as dicts),
+    tensors bitwise."""
+    assert_bitwise(a, b, where, ordered=True)
 
 
 def final_state(trainer: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import torch
 
 import dist_cases
 import shardsafe
+from bitwise import assert_bitwise
 from shardsafe.tools import verify_checkpoint
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -60,12 +61,12 @@ def test_old_format_full_load_verify_and_copy(tmp_path, which):
     path = _copy(tmp_path, which)
     ref = torch.load(_ref(which), weights_only=True)
     got = shardsafe.load_full(path)
-    dist_cases.assert_bitwise(ref, got)
+    assert_bitwise(ref, got)
     report = verify_checkpoint(path)
     assert report.ok and report.chunks > 0, report
     shardsafe.tools.copy_checkpoint(path, tmp_path / "copy")  # a copy keeps the major format it copies
     assert json.loads((tmp_path / "copy" / "manifest.json").read_bytes())["version"][0] == VERSIONS[which][0]
-    dist_cases.assert_bitwise(ref, shardsafe.load_full(tmp_path / "copy"))
+    assert_bitwise(ref, shardsafe.load_full(tmp_path / "copy"))
 
 
 def test_format_3_0_base_gives_a_full_save(tmp_path):
@@ -76,5 +77,5 @@ def test_format_3_0_base_gives_a_full_save(tmp_path):
     info = shardsafe.save(state, tmp_path / "next", base=path)
     assert info.bytes_referred == 0 and info.chunks_referred == 0
     assert not shardsafe.read_manifest(tmp_path / "next", indexes=False).refs
-    dist_cases.assert_bitwise(torch.load(_ref("format3_0"), weights_only=True),
+    assert_bitwise(torch.load(_ref("format3_0"), weights_only=True),
                               shardsafe.load_full(tmp_path / "next"))

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import dist_cases
 import pipeline_cases
 import shardsafe
+from bitwise import assert_bitwise
 from format2 import as_format2
 from shardsafe.format.checksum import checksum
 from shardsafe.format.manifest import _TRAILER, MANIFEST_NAME
@@ -29,7 +29,6 @@ from shardsafe.storage.faults import Fault, FaultyBackend
 from shardsafe.tools import diff_checkpoints, export_checkpoint
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "shardsafe"
-assert_bitwise = dist_cases.assert_bitwise
 
 
 def reseal(path: Path, edit) -> None:

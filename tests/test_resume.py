@@ -23,7 +23,7 @@ import torch
 
 import resume_cases
 import shardsafe
-from dist_cases import assert_bitwise
+from bitwise import assert_bitwise
 from shardsafe.data import ElasticSampler
 from shardsafe.state import rng as rng_mod
 

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 import shardsafe
+from bitwise import assert_bitwise
 from shardsafe import (
     CheckpointError,
     CheckpointExistsError,
@@ -40,22 +41,10 @@ EXPECTED_DTYPES = {
 DTYPE_NAMES = sorted(NAME_TO_TORCH)
 
 
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """The logical elements of ``t`` as a flat uint8 tensor (row-major bytes)."""
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
 def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert isinstance(got, torch.Tensor)
-    assert got.dtype == want.dtype
-    assert tuple(got.shape) == tuple(want.shape)
+    """``got`` is a CPU tensor bitwise equal to ``want``."""
+    assert_bitwise(got, want)
     assert got.device.type == "cpu"
-    assert torch.equal(raw(got), raw(want)), "tensor bytes differ"
 
 
 def make(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import shardsafe
+from bitwise import assert_bitwise
 from shardsafe import CheckpointError, CheckpointExistsError, CheckpointManager, CheckpointNotFoundError
 from shardsafe.errors import StorageError
 from shardsafe.format.dtypes import NAME_TO_TORCH
@@ -46,18 +47,6 @@ def every_kind() -> dict:
     return sd
 
 
-def same_values(a, b) -> bool:
-    if isinstance(a, float) and math.isnan(a):
-        return isinstance(b, float) and math.isnan(b)
-    if isinstance(a, float):
-        return isinstance(b, float) and math.copysign(1, a) == math.copysign(1, b) and a == b
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(same_values(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and a == b
-
-
 def check_tree(got: dict, want: dict) -> None:
     for k, v in want.items():
         if isinstance(v, torch.Tensor):
@@ -66,7 +55,7 @@ def check_tree(got: dict, want: dict) -> None:
             for kk, vv in v.items():
                 assert_same(got[k][kk], vv)
         else:
-            assert same_values(dict(v), got[k]), k
+            assert_bitwise(dict(v), got[k], k, ordered=True)
 
 
 def zeros_like_tree(sd: dict) -> dict:
@@ -110,7 +99,7 @@ def test_every_value_kind_round_trips_bitwise(s3):
     for k, v in sd.items():
         if isinstance(v, torch.Tensor):
             assert_same(dest[k], v)
-    assert same_values(sd["values"], dest["values"])
+    assert_bitwise(sd["values"], dest["values"], "values", ordered=True)
 
 
 def test_urls_normalize_and_other_schemes_are_refused(s3):

@@ -17,9 +17,9 @@ import socket
 import pytest
 import torch
 
-import dist_cases
 import s3_dist_cases as cases
 import shardsafe
+from bitwise import assert_bitwise
 from shardsafe.format.manifest import MANIFEST_NAME
 
 pytest.importorskip("obstore")
@@ -77,7 +77,7 @@ def test_fsdp_save_4_load_4_and_2(pg_pool, s3, tmp_path):
     four = pg_pool(4).run(cases.load_checked, "fsdp", url, opts, ref, timeout=T)
     assert all(r["retries"] == 0 for r in four)
     full = shardsafe.load_full(url, storage_options=opts)
-    dist_cases.assert_bitwise(torch.load(ref, weights_only=True), full)
+    assert_bitwise(torch.load(ref, weights_only=True), full)
 
     two = pg_pool(2).run(cases.load_checked, "fsdp", url, opts, ref, timeout=T)
     assert len(two) == 2 and all(r["tensors"] > 0 for r in two)
@@ -204,7 +204,7 @@ def test_save_and_load_through_failing_proxy(pg_pool, s3, tmp_path):
     assert load_retries == load_failed
     _data_and_manifest(server, bucket, "faulty", opts)  # committed, no leftovers
     assert server.uploads(bucket) == []
-    dist_cases.assert_bitwise(torch.load(ref, weights_only=True), shardsafe.load_full(url, storage_options=opts))
+    assert_bitwise(torch.load(ref, weights_only=True), shardsafe.load_full(url, storage_options=opts))
 
 
 def _closed_port() -> int:

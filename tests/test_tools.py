@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 
 import shardsafe
 import tools_cases
-from dist_cases import assert_bitwise, tensors_of
+from bitwise import assert_bitwise, tensors_equal
+from dist_cases import tensors_of
 from shardsafe.tools import (
     compare_tensors,
     diff_checkpoints,
@@ -66,11 +67,6 @@ def make_state() -> dict:
 def plain(state: dict) -> dict:
     """``state`` without its rank-local values."""
     return {k: v for k, v in state.items() if not isinstance(v, shardsafe.state.tree.RankLocal)}
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)))
 
 
 def run_cli(*args: str, capsys) -> tuple[int, str, str]:
@@ -125,7 +121,7 @@ def test_export_hf_shards_are_bitwise_and_indexed(small, tmp_path, capsys):
         assert size <= 12_000 or len(names) == 1
     assert set(seen) == set(expected)
     for k, t in expected.items():
-        assert bitwise_equal(seen[k], t), k
+        assert tensors_equal(seen[k], t), k
 
 
 def test_export_torch_loads_weights_only_bitwise(small, tmp_path, capsys):
@@ -158,9 +154,9 @@ def test_export_dtype_converts_floats_only(small, tmp_path):
             got = f.get_tensor(k)
             if src.dtype in (torch.float32, torch.bfloat16):
                 assert got.dtype == torch.bfloat16, k
-                assert bitwise_equal(got, src.to(torch.bfloat16)), k
+                assert tensors_equal(got, src.to(torch.bfloat16)), k
             else:
-                assert bitwise_equal(got, src), k
+                assert tensors_equal(got, src), k
 
 
 def test_export_keys_and_strip(small, tmp_path):
@@ -170,7 +166,7 @@ def test_export_keys_and_strip(small, tmp_path):
     assert report.tensors == 6 and report.skipped_rank_local == []
     with safe_open(out, framework="pt") as f:
         assert set(f.keys()) == set(tensors_of(state["model"]))
-        assert bitwise_equal(f.get_tensor("layers.1.w"), state["model"]["layers"][1]["w"])
+        assert tensors_equal(f.get_tensor("layers.1.w"), state["model"]["layers"][1]["w"])
     with pytest.raises(shardsafe.CheckpointError, match="selects nothing|no key"):
         export_checkpoint(path, tmp_path / "x.safetensors", "safetensors", keys=["nope"])
 
@@ -196,7 +192,7 @@ def test_export_of_a_2d_sharded_tp_save_is_bitwise(pg_pool, tmp_path):
     expected = tensors_of(ref)
     assert set(got) == set(expected)
     for k, t in expected.items():
-        assert bitwise_equal(got[k], t), k
+        assert tensors_equal(got[k], t), k
 
 
 # ------------------------------------------------------------------------------------------------ import

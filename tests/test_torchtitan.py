@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 
+from bitwise import assert_bitwise
+
 pytest.importorskip("torchtitan")
 
 import shardsafe  # noqa: E402
@@ -102,14 +104,10 @@ def ok(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def assert_same_state(want: dict[str, Any], got: dict[str, Any], what: str) -> None:
-    """Bitwise equality of two state digests, naming the first keys that differ."""
+    """Bitwise equality of two state digests (a tensor's digest hashes its dtype, shape and
+    bytes: torchtitan_cases._tensor_digest), naming the first key that differs."""
     for part in ("model", "optimizer", "lr_scheduler", "train_state", "dataloader", "lr"):
-        a, b = want[part], got[part]
-        if isinstance(a, dict):
-            diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-            assert not diff, f"{what}: {part} differs at {diff[:5]}"
-        else:
-            assert a == b, f"{what}: {part} differs: {a} != {b}"
+        assert_bitwise(want[part], got[part], f"{what}: {part}")
 
 
 def step_dirs(folder: Path) -> list[str]:

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bitwise import assert_bitwise
 from shardsafe.errors import CorruptCheckpointError, UnsupportedValueError
 from shardsafe.format.values import decode, encode_dict_key, encode_scalar
 from shardsafe.state.tree import flatten
@@ -143,25 +144,11 @@ values = st.recursive(
 )
 
 
-def same(a, b) -> bool:
-    """Equality that also compares types and float bits (so 1 != 1.0 != True, -0.0 != 0.0)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float):
-        return fbits(a) == fbits(b)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(type(k) is type(k2) for k, k2 in zip(a, b)) and all(
-            same(a[k], b[k]) for k in a
-        )
-    return a == b
-
-
 @settings(max_examples=300, deadline=None)
 @given(values)
 def test_nested_values_round_trip_property(value):
-    assert same(round_trip(value), value)
+    # types (1 != 1.0 != True), float bits (-0.0 != 0.0), key order and dict classes all count
+    assert_bitwise(round_trip(value), value, "value", ordered=True, dict_types=True)
 
 
 def test_dollar_keys_are_escaped():
