@@ -7,7 +7,10 @@
               4 -> 2, same global batch, same global sample order) and trains to the end.
 
 Prints a table (step, reference loss, crashed/resumed loss, checkpoint save/load times)
-and writes a PNG plot of both loss curves (demo-out/loss.png, and docs/demo-loss.png).
+and writes a PNG plot of both loss curves. Everything it writes goes to ``--out``
+(default ``demo-out/``, ignored by git) or to a temporary folder (the checkpoints), so a
+run never changes a tracked file; ``--update-docs`` also refreshes the README's picture,
+docs/demo-loss.png (for maintainers, on purpose).
 """
 
 from __future__ import annotations
@@ -237,7 +240,8 @@ def main() -> None:
     parser.add_argument("--phase", default="reference", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="demo-out", help="folder for the plot and logs (default: demo-out)")
     parser.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--no-docs-plot", action="store_true", help="do not refresh docs/demo-loss.png")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="also write the plot to docs/demo-loss.png (the README's picture; a tracked file)")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -292,7 +296,7 @@ def main() -> None:
             worst = max(worst, rel)
         print(f"{step:>4}  {a:>13.6f}  {b:>13.6f}  {rel:>9.1e}  {note}")
     plots = [out / "loss.png"]
-    if not args.no_docs_plot and Path(__file__).resolve().parent.parent.joinpath("docs").is_dir():
+    if args.update_docs:
         plots.append(Path(__file__).resolve().parent.parent / "docs" / "demo-loss.png")
     plot(ref, crash, resumed, resumed_at, plots)
     ok = worst <= 1e-4 and len(resumed) == STEPS - resumed_at

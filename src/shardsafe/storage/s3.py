@@ -167,14 +167,26 @@ def parse_options(options: dict[str, Any] | None) -> S3Options:
             raise CheckpointError(f"storage option {raw!r} has a bad value {value!r}") from None
         setattr(opts, name, value)
     if unknown:
-        known = sorted(_CANONICAL) + ["client_kwargs"] + sorted(_PASSTHROUGH)
-        raise CheckpointError(f"unknown S3 storage option(s) {', '.join(map(repr, sorted(unknown)))}; "
-                              f"accepted: {', '.join(known)}")
+        raise CheckpointError(_unknown_options(sorted(unknown)))
     if opts.part_size < MIN_PART:
         raise CheckpointError(f"storage option part_size must be at least {MIN_PART} bytes (S3's minimum part)")
     if opts.max_retries < 0 or opts.max_concurrency < 1:
         raise CheckpointError("storage options max_retries must be >= 0 and max_concurrency >= 1")
     return opts
+
+
+def _unknown_options(unknown: list[str]) -> str:
+    """The error message for misspelt or unknown storage option names: the closest
+    accepted names of each first, then every accepted name."""
+    from ..hints import nearest
+
+    known = sorted(_CANONICAL) + ["client_kwargs"] + sorted(_PASSTHROUGH)
+    guesses = []
+    for raw in unknown:
+        near = nearest(raw.lower(), known)
+        guesses.append(f"{raw!r}: did you mean {' or '.join(map(repr, near))}?" if near else f"{raw!r}: no close name")
+    return (f"unknown S3 storage option(s) {', '.join(map(repr, unknown))} ({'; '.join(guesses)}); "
+            f"accepted: {', '.join(known)}")
 
 
 def _env(*names: str) -> str | None:
@@ -465,6 +477,26 @@ def _split_url(location: str) -> tuple[str, str]:
     return bucket, "/".join(parts)
 
 
+class BucketNotFoundError(CheckpointNotFoundError):
+    """The bucket of an ``s3://`` location does not exist: ``bucket`` names it. Readers
+    pass it on as it is (no hint about the folder could help)."""
+
+    def __init__(self, bucket: str, context: str) -> None:
+        super().__init__(f"bucket {bucket!r} does not exist ({context}); create it first, or check the bucket "
+                         "name and the endpoint (storage option endpoint / AWS_ENDPOINT_URL)")
+        self.bucket = bucket
+
+    def __reduce__(self):  # noqa: ANN204 - rebuilt from its own arguments (pickled across ranks)
+        return _bucket_error, (self.bucket, str(self))
+
+
+def _bucket_error(bucket: str, message: str) -> BucketNotFoundError:
+    err = BucketNotFoundError.__new__(BucketNotFoundError)
+    CheckpointNotFoundError.__init__(err, message)
+    err.bucket = bucket
+    return err
+
+
 class S3Backend(Backend):
     """``s3://bucket/prefix`` locations. ``options`` is a ``storage_options`` mapping (see
     :func:`parse_options`); what it leaves out comes from the usual AWS environment
@@ -508,8 +540,7 @@ class S3Backend(Backend):
                 raise
             except Exception as exc:
                 if "NoSuchBucket" in str(exc):
-                    bucket = where[5:].partition("/")[0]
-                    raise CheckpointNotFoundError(f"cannot {what} {where}: no bucket {bucket!r}") from exc
+                    raise BucketNotFoundError(where[5:].partition("/")[0], f"cannot {what} {where}") from exc
                 if not _transient(exc):
                     raise _storage_error(exc, what, where) from exc
                 if attempt >= o.max_retries:
@@ -578,7 +609,7 @@ class S3Folder(Folder):
             for chunk in obstore.list(self.b.store, key, chunk_size=1):
                 return list(chunk)
             return []
-        return self._call("list", None if key is None else key.rpartition("/")[2], first)
+        return self._call("list", None if key is None or key == self.prefix else key.rpartition("/")[2], first)
 
     def check_exists(self, files: bool = False) -> None:
         """Raise CheckpointNotFoundError unless this prefix holds something (the bucket root:
@@ -588,7 +619,7 @@ class S3Folder(Folder):
                 self._first_under(None)
             except StorageError as exc:
                 if exc.errno == errno.ENOENT or "NoSuchBucket" in str(exc):
-                    raise CheckpointNotFoundError(f"no bucket at {self.location}") from None
+                    raise BucketNotFoundError(self.b.name, f"no folder at {self.location}") from None
                 raise
             return
         if self._first_under(self.prefix):

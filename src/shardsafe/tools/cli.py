@@ -1,7 +1,8 @@
 """The ``shardsafe`` command: ls, inspect, verify, diff, export, import (also
 ``python -m shardsafe``).
 
-Exit codes: 0 ok; 1 ``verify`` found damage or ``diff`` found differences; 2 a usage
+Exit codes: 0 ok; 1 ``verify`` (or ``inspect``: a data file missing or resized) found
+damage or ``diff`` found differences; 2 a usage
 error or a checkpoint that cannot be used (printed as one ``shardsafe: error: ...`` line;
 with ``--json`` also as ``{"ok": false, "error": ...}`` on stdout); 130 interrupted.
 """
@@ -20,7 +21,11 @@ from ..errors import CheckpointError
 
 EXIT_OK, EXIT_FOUND, EXIT_ERROR = 0, 1, 2
 
-_EPILOG = "exit codes: 0 ok, 1 verify/diff found problems or differences, 2 usage or checkpoint error"
+_EPILOG = "exit codes: 0 ok, 1 verify/inspect/diff found problems or differences, 2 usage or checkpoint error"
+
+
+_KEYS_HELP = ("{} only keys equal to or under the dotted PREFIX; one PREFIX per flag (repeat it: --keys a --keys b; "
+              "a comma is part of the key); a PREFIX that selects nothing is an error naming the closest keys")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,14 +41,17 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("ls", parents=[common], help="list the step checkpoints of a folder",
                        description="List the step-<N> checkpoints of a manager folder with step, size, save time, "
                                    "world size and status: valid, invalid (torn or damaged; cheap check of the "
-                                   "manifest and file sizes, no data hashing), incomplete (a save's temporary "
-                                   "folder) or parked.", epilog=_EPILOG)
+                                   "manifest and file sizes, no data hashing), ambiguous (two folders of one step, "
+                                   "step-100 and step-00000100), incomplete (a save's temporary folder), parked, "
+                                   "deleting or retired. Any zero padding of N counts.", epilog=_EPILOG)
     s.add_argument("folder", help="a folder of step-<N> checkpoints (or one checkpoint)")
 
     s = sub.add_parser("inspect", parents=[common], help="show the key tree, or the shard layout of one tensor",
                        description="Show every key with kind (sharded / replicated / rank_local), dtype, global "
                                    "shape, bytes and number of chunks; plain values briefly. With --layout KEY: "
-                                   "which saving rank holds which box of that tensor.", epilog=_EPILOG)
+                                   "which saving rank holds which box of that tensor. Also checks that every data "
+                                   "file is there with its recorded size (exit 1 if not; `verify` hashes the "
+                                   "bytes).", epilog=_EPILOG)
     s.add_argument("checkpoint", help="the checkpoint folder")
     s.add_argument("--layout", metavar="KEY", help="draw the shard layout of tensor KEY as a character grid")
     s.add_argument("--png", metavar="FILE", help="with --layout: also draw it into the PNG FILE")
@@ -66,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("b", help="the second checkpoint folder (the reference for --rtol)")
     s.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: exact)")
     s.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: exact)")
-    s.add_argument("--keys", action="append", metavar="PREFIX", help="compare only keys under PREFIX (repeatable)")
+    s.add_argument("--keys", action="append", metavar="PREFIX", help=_KEYS_HELP.format("compare"))
     s.add_argument("--no-verify", action="store_true", help="do not verify checksums while reading")
 
     s = sub.add_parser("export", parents=[common], help="write torch.save, safetensors, Hugging Face or DCP files",
@@ -82,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output file (torch, safetensors) or folder (hf, dcp)")
     s.add_argument("--to", required=True, choices=list(_EXPORT_FORMATS), help="output format: " + "; ".join(
         f"{k}: {v}" for k, v in _EXPORT_FORMATS.items()))
-    s.add_argument("--keys", action="append", metavar="PREFIX", help="export only keys under PREFIX (repeatable)")
+    s.add_argument("--keys", action="append", metavar="PREFIX", help=_KEYS_HELP.format("export"))
     s.add_argument("--strip", metavar="PREFIX",
                    help="drop PREFIX. from output names and, without --keys, export only what lies under PREFIX "
                         "(torch/dcp: that subtree); an error when it selects nothing")
@@ -169,7 +177,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.png and not args.layout:
             raise _Usage("--png needs --layout KEY")
         from ..api import read_manifest
-        from .inspect import inspect_checkpoint
+        from .inspect import checkpoint_file_problems, inspect_checkpoint, problem_lines
         from .picture import layout_boxes, layout_png, layout_text
 
         root, manifest = args.checkpoint, read_manifest(args.checkpoint)
@@ -178,12 +186,14 @@ def _run(args: argparse.Namespace) -> int:
             png = str(layout_png(manifest, args.layout, args.png)) if args.png else None
             boxes = [{"rank": b.rank, "offsets": list(b.offsets), "lengths": list(b.lengths), "file": b.file}
                      for b in layout_boxes(manifest, args.layout)]
-            _emit(args, {"ok": True, "key": args.layout, "boxes": boxes, "png": png, "text": text},
-                  text + (f"\nwrote {png}" if png else ""))
-            return EXIT_OK
+            problems = checkpoint_file_problems(root, manifest)
+            _emit(args, {"ok": not problems, "key": args.layout, "boxes": boxes, "png": png, "text": text,
+                         "problems": problems},
+                  "\n".join([text, *([f"wrote {png}"] if png else []), *problem_lines(problems)]))
+            return EXIT_FOUND if problems else EXIT_OK
         report = inspect_checkpoint(root, manifest)
-        _emit(args, {"ok": True, **report.to_json()}, report.to_text())
-        return EXIT_OK
+        _emit(args, {"ok": report.ok, **report.to_json()}, report.to_text())
+        return EXIT_OK if report.ok else EXIT_FOUND
     if args.command == "verify":
         from .verify import verify_checkpoint
 

@@ -79,7 +79,12 @@ def no_match(flag: str, prefix: str, candidates: Iterable[str], top: Iterable[st
     if top is None:
         candidates = key_prefixes(candidates)
         top = [k for k in candidates if "." not in k]
-    return MissingKeysError(f"{flag} {prefix!r} selects nothing in the checkpoint; {suggest(prefix, candidates, top)}")
+    hint = suggest(prefix, candidates, top)
+    if flag.startswith("--") and "," in prefix and flag != "--config-key":
+        parts = [p.strip() for p in prefix.split(",") if p.strip()]
+        hint += (f"; {flag} takes one prefix per flag, never a comma-separated list: "
+                 + " ".join(f"{flag} {p}" for p in parts))
+    return MissingKeysError(f"{flag} {prefix!r} selects nothing in the checkpoint; {hint}")
 
 
 def check_prefixes_used(prefixes: Iterable[str] | None, keys: Iterable[str]) -> None:

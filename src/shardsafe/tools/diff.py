@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 
 from ..checkpointer import Checkpointer
 from ..format.manifest import Manifest
+from ..hints import as_keys
 from .common import PathLike, check_prefixes_used, matches
 from .entries import Leaf, brief, leaves
 from .progress import Progress
@@ -136,12 +138,14 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor, atol: float = 0.0, rtol: f
 
 
 def diff_checkpoints(a: PathLike, b: PathLike, *, atol: float = 0.0, rtol: float = 0.0,
-                     keys: list[str] | None = None, verify: bool = True, progress: bool | None = None,
+                     keys: str | Iterable[str] | None = None, verify: bool = True, progress: bool | None = None,
                      checkpointer: Checkpointer | None = None) -> DiffReport:
     """Compare the checkpoints ``a`` and ``b`` key by key (restricted to the dotted
-    ``keys`` prefixes when given). Tensors with the same dtype and shape are read one at a
-    time from each and compared; rank-local values are compared per saving rank. Each
-    checkpoint is opened once."""
+    ``keys`` prefixes when given: one ``str`` or a list of them; a prefix that selects no
+    key of either checkpoint raises MissingKeysError naming the closest keys). Tensors
+    with the same dtype and shape are read one at a time from each and compared;
+    rank-local values are compared per saving rank. Each checkpoint is opened once."""
+    keys = as_keys(keys, "keys")
     cp = checkpointer if checkpointer is not None else Checkpointer()
     try:
         with cp.open_reader(a, verify=verify) as reader_a, cp.open_reader(b, verify=verify) as reader_b:
@@ -151,7 +155,7 @@ def diff_checkpoints(a: PathLike, b: PathLike, *, atol: float = 0.0, rtol: float
             cp.close()
 
 
-def _diff(reader_a: Any, reader_b: Any, atol: float, rtol: float, keys: list[str] | None,
+def _diff(reader_a: Any, reader_b: Any, atol: float, rtol: float, keys: tuple[str, ...] | None,
           progress: bool | None) -> DiffReport:
     t0 = time.perf_counter()
     man_a, man_b = reader_a.manifest, reader_b.manifest

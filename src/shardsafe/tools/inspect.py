@@ -1,16 +1,22 @@
 """``shardsafe inspect``: the key tree of a checkpoint with each tensor's kind, dtype,
-global shape, bytes and chunks, and plain values shown briefly. Reads only the manifest."""
+global shape, bytes and chunks, and plain values shown briefly. Reads only the manifest,
+and checks that every data file it lists is there with its recorded size (a missing or
+truncated file is reported, and the command exits 1 as ``verify`` does)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..errors import CheckpointError
 from ..format.dtypes import name_itemsize
 from ..format.manifest import Manifest, TensorEntry
-from .common import PathLike, human_bytes
+from .common import PathLike, human_bytes, locate
 from .entries import Leaf, brief, leaves
+
+if TYPE_CHECKING:
+    from ..checkpointer import Checkpointer
 
 
 def tensor_bytes(entry: TensorEntry) -> int:
@@ -53,6 +59,12 @@ class Inspection:
     writer: dict[str, str]
     files: list[dict[str, Any]]
     rows: list[Row] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # data files missing or resized (sizes only)
+
+    @property
+    def ok(self) -> bool:
+        """True when every data file the manifest lists is there with its recorded size."""
+        return not self.problems
 
     @property
     def tensor_rows(self) -> list[Row]:
@@ -64,7 +76,7 @@ class Inspection:
             "path": self.path, "world_size": self.world_size, "created": self.created, "writer": self.writer,
             "files": self.files, "tensors": len(self.tensor_rows),
             "tensor_bytes": sum(r.nbytes or 0 for r in self.tensor_rows),
-            "entries": [r.to_json() for r in self.rows],
+            "entries": [r.to_json() for r in self.rows], "problems": self.problems,
         }
 
     def to_text(self) -> str:
@@ -89,7 +101,7 @@ class Inspection:
                 shown = row.parts  # its per-rank copies are listed below this line
         width = min(max((len(n) for n, _ in lines), default=0), 60)
         body = [f"{n:<{width}}  {d}".rstrip() for n, d in lines]
-        return "\n".join([head, *body])
+        return "\n".join([head, *body, *problem_lines(self.problems)])
 
 
 def _describe(row: Row) -> str:
@@ -135,8 +147,39 @@ def _holders(manifest: Manifest, entry: TensorEntry) -> dict[str, int]:
     return out
 
 
-def inspect_checkpoint(path: PathLike, manifest: Manifest | None = None) -> Inspection:
-    """The key tree of the checkpoint at ``path`` (reads and verifies only its manifest)."""
+def problem_lines(problems: list[str]) -> list[str]:
+    """The closing lines of ``inspect`` for damaged files (none when all is well)."""
+    if not problems:
+        return []
+    return [*(f"PROBLEM  {p}" for p in problems),
+            f"{len(problems)} problem(s): loads that need these files fail (`shardsafe verify` checks every byte)"]
+
+
+def checkpoint_file_problems(path: PathLike, manifest: Manifest, checkpointer: Checkpointer | None = None) -> list[str]:
+    """The data files (and file indexes, and files referred to in other checkpoints) of
+    the checkpoint at ``path`` that are missing or not of the size ``manifest`` records:
+    a cheap check of sizes, no data read (``shardsafe verify`` hashes every byte)."""
+    from .listing import file_problems
+
+    backend, location = locate(path, checkpointer)
+    parent_location, _ = backend.split(location)
+    with backend.open(location) as folder:
+        try:
+            parent: Any = backend.open(parent_location)
+        except CheckpointError:
+            parent = None
+        try:
+            return file_problems(folder, manifest, parent)
+        finally:
+            if parent is not None:
+                parent.close()
+
+
+def inspect_checkpoint(path: PathLike, manifest: Manifest | None = None,
+                       checkpointer: Checkpointer | None = None) -> Inspection:
+    """The key tree of the checkpoint at ``path`` (reads and verifies only its manifest),
+    and in ``problems`` each data file that is missing or not of its recorded size (sizes
+    only: ``verify_checkpoint`` checks the bytes)."""
     root = str(path)
     if manifest is None:
         from ..api import read_manifest
@@ -145,4 +188,5 @@ def inspect_checkpoint(path: PathLike, manifest: Manifest | None = None) -> Insp
     rows = [_row(leaf, manifest) for leaf in leaves(manifest, "all", inline=60)]
     files = [{"name": f.name, "bytes": f.nbytes, "rank": f.rank} for f in manifest.files]
     files += [{"name": r.name, "bytes": r.nbytes, "checkpoint": r.checkpoint or "."} for r in manifest.refs]
-    return Inspection(str(root), manifest.world_size, manifest.created, dict(manifest.writer), files, rows)
+    return Inspection(str(root), manifest.world_size, manifest.created, dict(manifest.writer), files, rows,
+                      checkpoint_file_problems(path, manifest, checkpointer))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ..checkpoint_folder import MAX_MANIFEST_BYTES, OLD_MARK, TMP_MARK
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..steps import parse_leftover_step, parse_step
+from ..steps import by_step, parse_leftover_step, parse_step
 from ..storage.base import Folder
 from .common import PathLike, human_bytes, locate
 
@@ -26,7 +26,10 @@ class StepEntry:
     """One folder entry of ``shardsafe ls``.
 
     ``status`` is ``valid`` (committed, manifest and file sizes check out), ``invalid``
-    (a step folder that is torn or damaged: ``problem`` says how), ``incomplete`` (the
+    (a step folder that is torn or damaged: ``problem`` says how), ``ambiguous`` (one of
+    two or more committed folders of one step spelt differently, ``step-100`` and
+    ``step-00000100``: a CheckpointManager refuses the folder until one is renamed or
+    deleted; ``problem`` names the others), ``incomplete`` (the
     temporary folder of a save that has not committed, or was interrupted), ``parked``
     (a previous checkpoint left aside by an interrupted overwrite), ``deleting`` (a
     checkpoint taken out of sight by retention whose files are not all deleted yet) or
@@ -82,28 +85,46 @@ def check_step(folder: Folder, parent: Folder | None = None) -> tuple[Manifest |
         manifest = Manifest.from_bytes(data, folder.where(MANIFEST_NAME))
     except CheckpointError as exc:
         return None, str(exc)
+    problems = file_problems(folder, manifest, parent, first=True)
+    return manifest, problems[0] if problems else None
+
+
+def file_problems(folder: Folder, manifest: Manifest, parent: Folder | None = None,
+                  first: bool = False) -> list[str]:
+    """What is wrong with the files of the checkpoint in ``folder`` described by
+    ``manifest``: each data file or file index missing, not a regular file or not of the
+    recorded size, and (given its ``parent`` folder) each file it refers to in other
+    checkpoints. Sizes only, no data read; with ``first``, stops at the first problem."""
+    out: list[str] = []
     for entry in manifest.files:
+        if first and out:
+            return out
         kind = folder.kind(entry.name)
         if kind is None:
-            return manifest, f"data file {entry.name} is missing"
+            out.append(f"data file {entry.name} is missing")
+            continue
         if kind != "file":
-            return manifest, f"data file {entry.name} is not a regular file"
+            out.append(f"data file {entry.name} is not a regular file")
+            continue
         size = folder.size(entry.name)
         if size != entry.nbytes:
-            return manifest, f"data file {entry.name} has {size} bytes, the manifest says {entry.nbytes}"
+            out.append(f"data file {entry.name} has {size} bytes, the manifest says {entry.nbytes}")
+            continue
         if manifest.indexed:  # format 3: each data file has an index of the recorded size
             kind = folder.kind(entry.index_name)
             if kind != "file":
-                return manifest, f"file index {entry.index_name} is {'missing' if kind is None else 'not a file'}"
+                out.append(f"file index {entry.index_name} is {'missing' if kind is None else 'not a file'}")
+                continue
             size = folder.size(entry.index_name)
             if size != entry.index_bytes:
-                return manifest, (f"file index {entry.index_name} has {size} bytes, the manifest says "
-                                  f"{entry.index_bytes}")
+                out.append(f"file index {entry.index_name} has {size} bytes, the manifest says {entry.index_bytes}")
     for ref in manifest.refs:
+        if first and out:
+            return out
         problem = _ref_problem(folder, parent, ref.checkpoint, ref.name, ref.nbytes)
         if problem:
-            return manifest, problem
-    return manifest, None
+            out.append(problem)
+    return out
 
 
 def _ref_problem(folder: Folder, parent: Folder | None, checkpoint: str, name: str, nbytes: int) -> str | None:
@@ -143,7 +164,9 @@ def list_checkpoints(folder: PathLike, checkpointer: Checkpointer | None = None)
     try:
         backend, location = locate(folder, checkpointer)
         root = backend.open(location)
-    except CheckpointNotFoundError:
+    except CheckpointNotFoundError as exc:
+        if getattr(exc, "bucket", None) is not None:  # a missing bucket (s3): says so itself
+            raise
         raise CheckpointNotFoundError(f"no folder at {folder}") from None
     out: list[StepEntry] = []
     with root:
@@ -180,8 +203,30 @@ def list_checkpoints(folder: PathLike, checkpointer: Checkpointer | None = None)
                 else:
                     status, problem = "deleting", "a deleted checkpoint whose files are still being removed"
                 out.append(StepEntry(name, step, status, _size(root, name), problem=problem))
+        _mark_ambiguous(root, out)
     out.sort(key=lambda e: (e.step or 0, e.name.startswith("."), e.name))
     return out
+
+
+def _mark_ambiguous(root: Folder, entries: list[StepEntry]) -> None:
+    """Mark as ``ambiguous`` the committed step folders (those holding a manifest, as the
+    manager counts them) that share a step with another (``step-100`` and
+    ``step-00000100``), with the manager's own error as the problem."""
+    from ..checkpoint_folder import is_committed
+
+    steps: dict[int, list[StepEntry]] = {}
+    for e in entries:
+        if e.step is not None and not e.name.startswith(".") and e.status != "retired":
+            steps.setdefault(e.step, []).append(e)
+    for same in steps.values():
+        same = [e for e in same if is_committed(root, e.name)] if len(same) > 1 else []
+        if len(same) < 2:
+            continue
+        try:
+            by_step([e.name for e in same], "this folder")
+        except CheckpointError as exc:
+            for e in same:
+                e.status, e.problem = "ambiguous", str(exc)
 
 
 def _entry(parent: Folder, name: str, step: int | None) -> StepEntry:
