@@ -68,6 +68,19 @@ def test_ls_imports_no_torch(tmp_path):
     assert info == {"exit": 0, "torch": False, "transformers": False}
 
 
+def test_ls_of_hand_named_and_ambiguous_steps_imports_no_torch(tmp_path):
+    for name in ("step-100", "step-00000100", "step-7"):
+        shardsafe.save({"w": torch.ones(2)}, tmp_path / name)
+    info, out = run_main("ls", tmp_path)
+    assert info == {"exit": 0, "torch": False, "transformers": False}
+    rows = {line.split()[-1] if "(" not in line else line.split("  (")[0].split()[-1]: line
+            for line in out.splitlines()[1:]}
+    assert set(rows) == {"step-7", "step-100", "step-00000100"}
+    assert " valid " in rows["step-7"] and rows["step-7"].startswith("7 ")
+    for name in ("step-100", "step-00000100"):
+        assert "ambiguous" in rows[name] and "'step-00000100' and 'step-100'" in rows[name]
+
+
 def test_ls_runs_through_python_m(tmp_path):
     with shardsafe.CheckpointManager(tmp_path) as mgr:
         mgr.save(5, {"model": {"w": torch.ones(3)}})
