@@ -274,9 +274,21 @@ def test_a_missing_bucket_is_named(s3, capsys, monkeypatch):
     assert code == 2 and "bucket 'no-such-bucket-q' does not exist" in out["error"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs checkpoint_folder.open_committed to pass a BucketNotFoundError on "
-                                       "(it rewrites every not-found error as 'no checkpoint at ...')")
+@pytest.mark.xfail(strict=True, reason="needs checkpoint_folder.open_committed and CheckpointManager._listing to "
+                                       "pass a BucketNotFoundError on (they turn it into 'no checkpoint')")
 def test_loading_from_a_missing_bucket_names_it(s3):
     _, _, opts = s3
     with pytest.raises(CheckpointNotFoundError, match=r"bucket 'no-such-bucket-q' does not exist"):
         shardsafe.load_full("s3://no-such-bucket-q/run/ck", storage_options=opts)
+    dest = {"w": torch.zeros(2)}
+    with pytest.raises(CheckpointNotFoundError, match=r"bucket 'no-such-bucket-q' does not exist"):
+        shardsafe.load(dest, "s3://no-such-bucket-q/run/ck", storage_options=opts)
+    from shardsafe.checkpointer import Checkpointer
+
+    cp = Checkpointer(storage_options=opts)
+    try:  # a manager on a missing bucket says so, instead of "no checkpoint yet" (None)
+        with CheckpointManager("s3://no-such-bucket-q/run", checkpointer=cp) as mgr:
+            with pytest.raises(CheckpointNotFoundError, match=r"bucket 'no-such-bucket-q' does not exist"):
+                mgr.load(dest)
+    finally:
+        cp.close()
