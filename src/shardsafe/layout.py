@@ -30,7 +30,7 @@ class Box:
         """The box covering a whole tensor of ``shape`` (boxes are immutable: one per shape
         is shared, a state repeats a few shapes many times)."""
         try:
-            return _whole(tuple(shape))
+            return _whole(shape)  # a torch.Size hashes and compares as the tuple it is
         except TypeError:  # unhashable dims
             return Box(tuple(0 for _ in shape), tuple(int(n) for n in shape))
 

@@ -72,7 +72,7 @@ class Fill:
         if self.cast:
             return False  # saved bytes go through staging, then copy_ converts them
         t = self.tensor
-        return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+        return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 @dataclass
@@ -105,7 +105,19 @@ def tensor_view(t: torch.Tensor) -> tuple[list[tuple[torch.Tensor, Box]], tuple[
         local = local_of(t)
         views = [(local[p.local_slices], p.box) for p in dtensor_pieces(t)]
         return views, tuple(t.shape), local.dtype
-    return [(t.detach(), Box.whole(t.shape))], tuple(t.shape), t.dtype
+    shape = t.shape  # each torch attribute costs about a microsecond: read once (thousands of tensors)
+    return [(t.detach(), Box.whole(shape))], shape, t.dtype
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (the manifest's spelling)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 class Matcher:
@@ -296,14 +308,14 @@ class Matcher:
             self.result.errors.append(CorruptCheckpointError(f"key '{path}': tensor '{key}' is not in the manifest"))
             return
         views, global_shape, dtype = tensor_view(dest)
-        if tuple(entry.shape) != tuple(global_shape):
+        if tuple(entry.shape) != global_shape:
             self.result.errors.append(
                 ShapeMismatchError(
                     f"key '{path}': saved shape {list(entry.shape)}, destination shape {list(global_shape)}"
                 )
             )
             return
-        expected = str(dtype).removeprefix("torch.")
+        expected = dtype_name(dtype)
         cast = entry.dtype != expected
         if cast and not self.cast_dtype:
             self.result.errors.append(DtypeMismatchError(
