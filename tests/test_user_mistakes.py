@@ -274,8 +274,6 @@ def test_a_missing_bucket_is_named(s3, capsys, monkeypatch):
     assert code == 2 and "bucket 'no-such-bucket-q' does not exist" in out["error"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs checkpoint_folder.open_committed and CheckpointManager._listing to "
-                                       "pass a BucketNotFoundError on (they turn it into 'no checkpoint')")
 def test_loading_from_a_missing_bucket_names_it(s3):
     _, _, opts = s3
     with pytest.raises(CheckpointNotFoundError, match=r"bucket 'no-such-bucket-q' does not exist"):

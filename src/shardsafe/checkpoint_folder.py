@@ -568,7 +568,9 @@ def open_committed(backend: Backend, location: str, attempts: int = 3) -> tuple[
     for attempt in range(attempts):
         try:
             folder = backend.open(location)
-        except CheckpointNotFoundError:
+        except CheckpointNotFoundError as exc:
+            if getattr(exc, "bucket", None) is not None:  # a missing bucket (s3): the backend's words say it all
+                raise
             raise CheckpointNotFoundError(f"no checkpoint at {location}{not_found_hint(backend, location)}") from None
         try:
             return folder, folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)

@@ -281,7 +281,9 @@ class CheckpointManager:
             with self._open() as f:
                 names = by_step((n for n in f.names() if parse_step(n) is not None and is_committed(f, n)),
                                 str(self.folder))
-        except CheckpointNotFoundError:
+        except CheckpointNotFoundError as exc:
+            if getattr(exc, "bucket", None) is not None:  # a missing bucket is no empty folder
+                raise
             return {}
         self._names.update(names)
         return names
