@@ -28,11 +28,11 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from faults.common import BAD, TITLES, Tally  # noqa: E402
 from faults.context import Context  # noqa: E402
 
-SECTIONS = ("flips", "ranges", "hostile", "kills", "failures", "concurrency", "controls")
+SECTIONS = ("flips", "ranges", "hostile", "kills", "failures", "concurrency", "controls", "exit")
 FULL = {"flips": 1000, "ranges": 200, "kills": 200, "failures": 24, "rlimit": 24, "concurrent": 6,
-        "concurrent_seconds": 3.0, "hostile_limit": None}
+        "concurrent_seconds": 3.0, "hostile_limit": None, "exit_runs": 50}
 QUICK = {"flips": 40, "ranges": 16, "kills": 16, "failures": 2, "rlimit": 3, "concurrent": 2,
-         "concurrent_seconds": 1.5, "hostile_limit": 40}
+         "concurrent_seconds": 1.5, "hostile_limit": 40, "exit_runs": 2}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +49,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="length of one concurrency trial (full: 3)")
     p.add_argument("--hostile-limit", type=int, dest="hostile_limit",
                    help="run only the first N hostile cases (full: all; quick: a sample)")
+    p.add_argument("--exit-runs", type=int, dest="exit_runs",
+                   help="runs of each end-of-job variant on 4 ranks under torchrun (faults.exit_stress; full: 50)")
     p.add_argument("--only", default=",".join(SECTIONS),
                    help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
     p.add_argument("--seed", type=int, default=20240610, help="random seed")
@@ -118,12 +120,21 @@ def run(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
         if "concurrency" in args.sections:
             run_concurrency(ctx, args.concurrent, args.concurrent_seconds, args.seed)
             log(f"concurrency in {tally.seconds['concurrency']:.0f} s")
+        if "exit" in args.sections:  # issue 28: abnormal exits at the end of a job
+            from faults.exit_stress import VARIANTS, stress
+
+            report["exit"] = stress(list(VARIANTS), args.exit_runs, timeout=args.timeout, log=log)
+            log(f"exit: {sum(r['abnormal'] for r in report['exit'].values())} abnormal of "
+                f"{sum(r['runs'] for r in report['exit'].values())} runs")
     finally:
         report["pool_starts"] = {"4-rank": ctx.pool4.starts, "1-process": ctx.solo.starts}
         ctx.close()
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     report.update(tally.to_json())
     report["table"] = tally.table()
+    if "exit" in report:
+        report["exit_abnormal"] = sum(r["abnormal"] for r in report["exit"].values())
+        report["bad_total"] += report["exit_abnormal"]
     return report
 
 
@@ -167,6 +178,12 @@ def summary(report: dict[str, Any]) -> str:
         lines.append(f"hostile cases: {len(report['hostile'])}; {report['hostile_rss']['statement']}")
     if "controls" in report:
         lines.append(f"controls: {report['controls']['verdict']}")
+    if "exit" in report:
+        lines.append(f"end-of-job exits (4 ranks, torchrun): **{report['exit_abnormal']}** abnormal; "
+                     + ", ".join(f"{n} {r['abnormal']}/{r['runs']}" for n, r in report["exit"].items()))
+        for name, r in report["exit"].items():
+            for ex in r["examples"][:2]:
+                lines.append(f"- exit {name} run {ex['run']}: {'; '.join(ex['problems'])}")
     for ex in report["bad_examples"][:40]:
         probe = ex["probes"][0] if ex["probes"] else {}
         what = {k: v for k, v in ex.items() if k not in ("probes", "kind", "class")}

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .comm import Comm, resolve
+from .comm import Comm, destroy_groups, resolve
 from .engine.memory import HostMemory
 from .engine.reader import OpenFiles, Reader
 from .engine.writer import FileWriter
@@ -78,6 +78,12 @@ class SaveFuture:
         self._staged = threading.Event()
         self.stage_seconds = 0.0
         self._observed = False
+        self._thread: threading.Thread | None = None  # the commit thread
+
+    def _join(self) -> None:
+        """Wait until the commit thread has ended (it ends right after the result is set)."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def staged(self, timeout: float | None = None) -> bool:
         """True once the state has been copied out (always true after async_save returns)."""
@@ -251,6 +257,7 @@ class Checkpointer:
         future._staged.set()
         thread = threading.Thread(target=_finish_async, args=(prep, writer, stage_error, future, memo),
                                   name="shardsafe-commit", daemon=True)
+        future._thread = thread
         self.pending = future
         thread.start()
         if stage_error is not None and not comm.distributed:
@@ -262,9 +269,12 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
-        if pending._observed and pending.done() and pending._future.exception() is not None:
-            return None  # its error was already raised to the caller once
-        return pending.result()
+        try:
+            if pending._observed and pending.done() and pending._future.exception() is not None:
+                return None  # its error was already raised to the caller once
+            return pending.result()
+        finally:
+            pending._join()
 
     def _async_comm(self, process_group: Any) -> Comm:
         """A dedicated gloo group over the same ranks (so background collectives never
@@ -481,8 +491,10 @@ class Checkpointer:
             self.memory.trim()
             self.memo.replace({})
             self.plans.clear()
+            groups = [g for _, g in self._groups.values()]
             self._groups.clear()
             _LIVE.discard(self)
+            destroy_groups(groups)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -566,16 +578,17 @@ _LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # for the exit drain b
 
 
 @atexit.register
-def _drain_at_exit() -> None:
-    """Interpreter exit waits for every pending async save of every Checkpointer."""
+def _close_at_exit() -> None:
+    """Interpreter exit closes every Checkpointer not closed yet: waits for its pending
+    async save (a failure is a warning), joins its threads and destroys its dedicated
+    groups while the interpreter is whole (see :func:`destroy_groups`)."""
     for cp in list(_LIVE):
         pending = cp.pending
-        if pending is None:
-            continue
         try:
-            pending.result()
+            cp.close()
         except BaseException as exc:  # noqa: BLE001 - at exit, report instead of raising
-            warnings.warn(f"shardsafe: the pending async save to {pending.path} failed: {exc}", stacklevel=1)
+            where = pending.path if pending is not None else "?"
+            warnings.warn(f"shardsafe: the pending async save to {where} failed: {exc}", stacklevel=1)
     for thread in threading.enumerate():  # no thread of ours may outlive the interpreter's teardown
         if thread.name.startswith(("shardsafe-commit", "shardsafe-writer")) and \
                 thread is not threading.current_thread():

@@ -265,3 +265,17 @@ def resolve(process_group: Any = None) -> Comm:
             return Comm(None, 0, 1)
         process_group = dist.group.WORLD
     return Comm(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))
+
+
+def destroy_groups(groups: list[Any]) -> None:
+    """Destroy process groups this process created (``dist.new_group``), each once, while
+    the interpreter is whole: shut down (their gloo worker threads joined) and removed from
+    torch's registry. Groups torch no longer knows (the user already called
+    ``dist.destroy_process_group()``, which shut every group down) are left alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in groups:
+        if group is not None and group in c10d._world.pg_map:
+            dist.destroy_process_group(group)
