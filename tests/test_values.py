@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from bitwise import assert_bitwise
 from shardsafe.errors import CorruptCheckpointError, UnsupportedValueError
-from shardsafe.format.values import decode, encode_dict_key, encode_scalar
+from shardsafe.format import values as values_mod
+from shardsafe.format.values import PICKLE_INT_BOUND, decode, encode_dict_key, encode_scalar
 from shardsafe.state.tree import flatten
 
 
@@ -56,7 +57,14 @@ def fbits(x: float) -> bytes:
          "-7^20000"],
 )
 def test_int_encoding(value, tagged):
-    enc = encode_scalar(value, "k")
+    if not -PICKLE_INT_BOUND <= value < PICKLE_INT_BOUND:
+        # Writers refuse it (every export target must read what is saved), readers accept it
+        # (checkpoints written before the bound keep loading).
+        with pytest.raises(UnsupportedValueError, match=r"'k'.*at most 2039 bits"):
+            encode_scalar(value, "k")
+        enc = {"$int": values_mod._int_to_decimal(value)}
+    else:
+        enc = encode_scalar(value, "k")
     if tagged:
         assert isinstance(enc, dict) and list(enc) == ["$int"]
         assert isinstance(enc["$int"], str)
@@ -69,12 +77,28 @@ def test_int_encoding(value, tagged):
 def test_int_tag_text_is_plain_decimal():
     assert encode_scalar(2**64, "k") == {"$int": "18446744073709551616"}
     assert encode_scalar(-(2**53), "k") == {"$int": "-9007199254740992"}
-    text = encode_scalar(10**5000 + 123, "k")["$int"]
+    text = values_mod._int_to_decimal(10**5000 + 123)  # what writers before the 2039-bit bound wrote
     assert text == "1" + "0" * 4997 + "123"
+    assert decode({"$int": text}) == 10**5000 + 123
+    assert encode_scalar(PICKLE_INT_BOUND - 1, "k") == {"$int": str(PICKLE_INT_BOUND - 1)}
+    assert encode_scalar(-PICKLE_INT_BOUND, "k") == {"$int": str(-PICKLE_INT_BOUND)}
+    for value in (PICKLE_INT_BOUND, -PICKLE_INT_BOUND - 1):
+        with pytest.raises(UnsupportedValueError, match="at most 2039 bits"):
+            encode_scalar(value, "k")
+
+
+def test_int_bound_is_what_weights_only_torch_load_reads(tmp_path):
+    """The writer's bound is exactly the range torch.load(weights_only=True) reads back."""
+    for value in (PICKLE_INT_BOUND - 1, -PICKLE_INT_BOUND):
+        torch.save({"v": value}, tmp_path / "ok.pt")
+        assert torch.load(tmp_path / "ok.pt", weights_only=True)["v"] == value
+    torch.save({"v": PICKLE_INT_BOUND}, tmp_path / "big.pt")
+    with pytest.raises(Exception, match="(?i)weights.only"):
+        torch.load(tmp_path / "big.pt", weights_only=True)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(min_value=-(2**3000), max_value=2**3000))
+@given(st.integers(min_value=-PICKLE_INT_BOUND, max_value=PICKLE_INT_BOUND - 1))
 def test_int_round_trip_property(value):
     assert round_trip(value) == value
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from ..gcpause import gc_paused
+from .strict_json import SIZE_LIMIT
 
 HEX = 16  # characters per XXH3-64 digest
 
@@ -64,6 +65,8 @@ def _ints(value: Any, n: int, what: str) -> np.ndarray:
         raise CorruptCheckpointError(f"chunk table: '{what}' must be a list of {n} integers (got {got})")
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    if not set(map(type, value)) <= {int}:  # JSON true/false are ints to numpy and to Python
+        raise CorruptCheckpointError(f"chunk table: '{what}' holds something other than integers")
     try:
         arr = np.array(value)
     except (ValueError, OverflowError):
@@ -96,6 +99,13 @@ class ChunkTable:
         self.file_ranks = list(file_ranks)
         self.dims = np.concatenate(([0], np.cumsum(ndim))).astype(np.int64)
         nblocks = np.maximum(1, -(-(end - start) // block))
+        # The block counts are summed in int64 only when the exact sum fits: each count is
+        # below 2^62, but their sum can wrap (eight of 2^61 sum to 2^64 = 0 mod 2^64), and
+        # a wrapped sum would match an empty checksum string. A float64 sum is within a
+        # relative 2^-40 of the exact one for any table that fits in memory.
+        self.blocks_overflow = bool(len(nblocks)) and float(nblocks.sum(dtype=np.float64)) >= float(SIZE_LIMIT)
+        if self.blocks_overflow:
+            nblocks = np.minimum(nblocks, 1)  # refused by problem(); the columns stay consistent meanwhile
         self.xs = np.concatenate(([0], np.cumsum(nblocks))).astype(np.int64)
         self._lists: tuple[list[int], ...] | None = None
 
@@ -164,6 +174,8 @@ class ChunkTable:
             c = int(np.argmax(bad))
             return c, (f"byte range {int(self.start[c])}-{int(self.end[c])} does not hold "
                        f"{int(numel[c])} elements of {int(size[c])} bytes")
+        if self.blocks_overflow:
+            return -1, f"the chunks claim 2^62 or more checksum blocks; {len(self.sums) // HEX} are listed"
         if len(self.sums) != HEX * int(self.xs[-1]):
             return -1, f"{len(self.sums)} block checksum characters, {HEX * int(self.xs[-1])} expected"
         try:

@@ -179,7 +179,7 @@ class FileIndex:
             if body.get("format") != INDEX_FORMAT or not (type(version) is list and len(version) == 2 and all(
                     type(v) is int for v in version) and version[0] == INDEX_VERSION[0]):
                 raise CorruptCheckpointError(f"not a format-{INDEX_VERSION[0]} shardsafe file index")
-            if body.get("rank") != rank:
+            if type(body.get("rank")) is not int or body.get("rank") != rank:  # JSON false equals 0
                 raise CorruptCheckpointError(f"index of rank {_show(body.get('rank'))}, the manifest says {rank}")
             header_bytes, header_x = body["header_bytes"], body["header_x"]
             if not (_count(header_bytes) and 8 <= header_bytes <= nbytes):
@@ -302,8 +302,8 @@ def _check_values(rank_local: dict[str, Any], local: dict[str, Any]) -> None:
             raise CorruptCheckpointError(f"a rank-local value refers to {tag[1:]} {key!r}, which the index does not "
                                          "hold")
 
-    for value in rank_local.values():
-        decode(value, on_ref)
+    for key, value in rank_local.items():
+        decode(value, on_ref, key)
 
 
 def verify_index(data: bytes, expected_bytes: int, expected_checksum: str, where: str) -> None:

@@ -848,8 +848,8 @@ def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles:
             raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad layout")
         if layout is not None:
             members += _object_members(layout)
-        if not (type(span) is list and len(span) == 2 and span[0] == row and type(span[1]) is int
-                and 1 <= span[1] <= len(f) - row):
+        if not (type(span) is list and len(span) == 2 and type(span[0]) is int and span[0] == row
+                and type(span[1]) is int and 1 <= span[1] <= len(f) - row):
             raise CorruptCheckpointError(
                 f"inconsistent manifest: tensor '{key}': chunk range {_show(span)} is not [first, count] with first "
                 f"{row} (where the previous tensor's chunks end), count >= 1, inside the table")

@@ -16,8 +16,14 @@ Encoding (documented in docs/format.md):
 
 Limits (docs/format.md, "Limits"): a value nests at most MAX_DEPTH JSON arrays/objects,
 an int has at most MAX_INT_DIGITS decimal digits, and strings are valid Unicode (no lone
-surrogates). Encoding refuses values beyond them, so that everything saved can be read;
-decoding refuses them as corrupt, before any work that grows faster than linearly.
+surrogates). Encoding refuses values beyond them, and ints outside PICKLE_INT_BOUND, so that
+everything saved can be read and exported; decoding refuses them as corrupt, before any work
+that grows faster than linearly.
+
+One decoder for every reader: :func:`decode` (whole values) and :func:`container` (one
+node's children, for the tree walkers of tools) apply the same rules to typed containers
+(a ``$tuple``'s payload is a list; a ``$dict``'s is a list of ``[key, value]`` pairs with
+str or int keys, none twice) and raise CorruptCheckpointError naming the dotted key.
 """
 
 from __future__ import annotations
@@ -41,6 +47,13 @@ value), counted in its JSON form: a list or str-keyed dict is one level, a tuple
 scalar or placeholder one. Recursive code (json itself, :func:`decode`, matching) then
 needs at most a few hundred of Python's 1000 frames, and real states (under 20 levels)
 stay far below."""
+
+PICKLE_INT_BOUND = 1 << (8 * 255 - 1)
+"""Writers save ints ``v`` with ``-PICKLE_INT_BOUND <= v < PICKLE_INT_BOUND`` only (2039 bits
+and a sign, about 614 decimal digits): every value saved must export to every target, and
+torch's weights-only unpickler (``torch.load(weights_only=True)``) reads pickle's LONG1
+opcode (at most 255 bytes of two's complement) but not LONG4. Readers still accept ints up
+to MAX_INT_DIGITS digits (checkpoints written before this limit keep loading)."""
 
 MAX_INT_DIGITS = 20_000
 """Most decimal digits of a ``{"$int": ...}`` (about 66,000 bits): far beyond any counter,
@@ -120,9 +133,11 @@ def encode_scalar(value: Any, path: str) -> Any:
             raise _subclass_error(value, path, "int")
         if -_SAFE_INT < value < _SAFE_INT:
             return value
-        if not -_INT_BOUND < value < _INT_BOUND:
+        if not -PICKLE_INT_BOUND <= value < PICKLE_INT_BOUND:
             raise UnsupportedValueError(
-                f"cannot save value at '{path}': int with more than {MAX_INT_DIGITS} decimal digits")
+                f"cannot save value at '{path}': an int of {value.bit_length()} bits (at most 2039 bits and a sign, "
+                "about 614 decimal digits: torch.load(weights_only=True), which reads exported checkpoints, cannot "
+                "read larger ones)")
         return {"$int": _int_to_decimal(value)}
     if isinstance(value, float):
         if type(value) is not float:
@@ -172,13 +187,62 @@ def nesting_depth(obj: Any) -> int:
     return depth
 
 
-def decode(obj: Any, on_ref: Callable[[str, str], Any] | None = None) -> Any:
+def decode(obj: Any, on_ref: Callable[[str, str], Any] | None = None, key: str = "") -> Any:
     """Decode typed JSON back into Python values; anything malformed, nested deeper than
-    MAX_DEPTH or beyond a limit raises CorruptCheckpointError (never RecursionError).
+    MAX_DEPTH or beyond a limit raises CorruptCheckpointError naming the dotted key of the
+    bad node under ``key`` (never RecursionError).
 
     ``on_ref(tag, key)`` resolves ``$tensor`` / ``$rank_local`` placeholders; without it
     a placeholder is an error."""
-    return _decode(obj, on_ref, 0)
+    try:
+        return _decode(obj, on_ref, 0)
+    except CorruptCheckpointError as exc:
+        raise _keyed(exc, key) from None
+
+
+def container(node: Any, key: str = "") -> tuple[type, list[tuple[Any, Any]]] | None:
+    """(container type, [(key, typed-JSON child), ...]) of a container node (a JSON array,
+    a ``$tuple``, a plain JSON object, a ``$dict``; list and tuple keys are indices), or
+    None for a leaf (a scalar, a placeholder, a tagged scalar, or a malformed object that
+    :func:`decode` refuses). A malformed ``$tuple`` or ``$dict`` raises the error
+    :func:`decode` raises, naming ``key``."""
+    if isinstance(node, list):
+        return list, list(enumerate(node))
+    if not isinstance(node, dict):
+        return None
+    if len(node) == 1:
+        ((tag, payload),) = node.items()
+        try:
+            if tag == "$tuple":
+                return tuple, list(enumerate(_tuple_payload(payload)))
+            if tag == "$dict":
+                return dict, _dict_pairs(payload)
+        except (ValueError, TypeError) as exc:
+            raise _keyed(CorruptCheckpointError(f"manifest: bad {tag} value {_short(payload)}: {exc}"), key) from None
+    if any(k.startswith("$") for k in node):
+        return None
+    return dict, list(node.items())
+
+
+def _keyed(exc: CorruptCheckpointError, key: str) -> CorruptCheckpointError:
+    """``exc`` with the dotted key of the node it is about (``key`` and the parts the
+    containers on the way added); its message as is when there is no key."""
+    parts = ([key] if key else []) + list(reversed(getattr(exc, "parts", [])))
+    if not parts:
+        return exc
+    shown = ".".join(parts) if len(parts) <= 12 else ".".join(parts[:12]) + "..."
+    msg = str(exc)
+    msg = msg[len("manifest: "):] if msg.startswith("manifest: ") else msg
+    return CorruptCheckpointError(f"manifest: value at '{shown}': {msg}")
+
+
+def _at(exc: CorruptCheckpointError, part: Any) -> CorruptCheckpointError:
+    """Record that ``exc`` happened under child ``part`` (innermost first)."""
+    parts = getattr(exc, "parts", None)
+    if parts is None:
+        parts = exc.parts = []  # type: ignore[attr-defined]
+    parts.append(part if isinstance(part, str) else _short(part))
+    return exc
 
 
 def _level(depth: int) -> int:
@@ -192,8 +256,7 @@ def _decode(obj: Any, on_ref: Callable[[str, str], Any] | None, depth: int) -> A
     if obj is None or isinstance(obj, (bool, str, int, float)):
         return obj
     if isinstance(obj, list):
-        depth = _level(depth)
-        return [_decode(v, on_ref, depth) for v in obj]
+        return _decode_list(obj, on_ref, _level(depth))
     if isinstance(obj, dict):
         depth = _level(depth)
         if len(obj) == 1:
@@ -202,9 +265,50 @@ def _decode(obj: Any, on_ref: Callable[[str, str], Any] | None, depth: int) -> A
                 return _decode_tagged(tag, payload, on_ref, depth)
         for k in obj:
             if k.startswith("$"):
-                raise CorruptCheckpointError(f"manifest: object key {k!r} may not start with '$'")
-        return {k: _decode(v, on_ref, depth) for k, v in obj.items()}
+                raise CorruptCheckpointError(f"manifest: object key {_short(k)} may not start with '$'")
+        out = {}
+        k = None
+        try:
+            for k, v in obj.items():
+                out[k] = _decode(v, on_ref, depth)
+        except CorruptCheckpointError as exc:
+            raise _at(exc, k) from None
+        return out
     raise CorruptCheckpointError(f"manifest: unexpected JSON value of type {type(obj).__name__}")
+
+
+def _decode_list(items: list[Any], on_ref: Callable[[str, str], Any] | None, depth: int) -> list[Any]:
+    out: list[Any] = []
+    try:
+        for v in items:
+            out.append(_decode(v, on_ref, depth))
+    except CorruptCheckpointError as exc:
+        raise _at(exc, len(out)) from None  # the element that failed is the next one
+    return out
+
+
+def _tuple_payload(payload: Any) -> list[Any]:
+    if not isinstance(payload, list):
+        raise TypeError("payload is not a list")
+    return payload
+
+
+def _dict_pairs(payload: Any) -> list[tuple[str | int, Any]]:
+    """The (decoded key, typed-JSON value) pairs of a ``$dict`` payload, validated: a list
+    of ``[key, value]`` pairs, keys str or int, none twice."""
+    if not isinstance(payload, list):
+        raise TypeError("payload is not a list")
+    out = []
+    seen: set[str | int] = set()
+    for pair in payload:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise ValueError(f"entry {_short(pair)} is not a [key, value] pair")
+        key = _decode_dict_key(pair[0])
+        if key in seen:
+            raise ValueError(f"duplicate key {_short(key)}")
+        seen.add(key)
+        out.append((key, pair[1]))
+    return out
 
 
 def _decode_tagged(tag: str, payload: Any, on_ref: Callable[[str, str], Any] | None, depth: int) -> Any:
@@ -221,24 +325,19 @@ def _decode_tagged(tag: str, payload: Any, on_ref: Callable[[str, str], Any] | N
                 raise TypeError("payload is not a string")
             return base64.b64decode(payload.encode("ascii"), validate=True)
         if tag == "$tuple":
-            if not isinstance(payload, list):
-                raise TypeError("payload is not a list")
-            inner = _level(depth)
-            return tuple([_decode(v, on_ref, inner) for v in payload])
+            return tuple(_decode_list(_tuple_payload(payload), on_ref, _level(depth)))
         if tag == "$dict":
-            if not isinstance(payload, list):
-                raise TypeError("payload is not a list")
+            pairs = _dict_pairs(payload)
             inner = _level(_level(depth))  # the list of pairs, then each pair
             out = {}
-            for pair in payload:
-                if not (isinstance(pair, list) and len(pair) == 2):
-                    raise ValueError(f"entry {_short(pair)} is not a [key, value] pair")
-                key = _decode_dict_key(pair[0])
-                if key in out:
-                    raise ValueError(f"duplicate key {_short(key)}")
-                out[key] = _decode(pair[1], on_ref, inner)
+            k = None
+            try:
+                for k, v in pairs:
+                    out[k] = _decode(v, on_ref, inner)
+            except CorruptCheckpointError as exc:
+                raise _at(exc, k) from None
             return out
-    except (ValueError, TypeError, AttributeError) as exc:
+    except (ValueError, TypeError, AttributeError, UnicodeEncodeError) as exc:
         raise CorruptCheckpointError(f"manifest: bad {tag} value {_short(payload)}: {exc}") from None
     if tag in ("$tensor", "$rank_local"):
         if on_ref is None or not isinstance(payload, str):
@@ -261,4 +360,4 @@ def _decode_dict_key(key: Any) -> str | int:
         return key
     if isinstance(key, dict) and len(key) == 1 and "$int" in key:
         return _decimal_to_int(key["$int"])
-    raise TypeError(f"dict key {key!r} is not a str or int")
+    raise TypeError(f"dict key {_short(key)} is not a str or int")

@@ -13,31 +13,24 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import MissingKeysError
-from .tree import join_key, saved_items, saved_ref, saved_sequence
+from ..format.values import container
+from .tree import join_key
 
 _DROP = object()
 
 
-def children(node: Any) -> tuple[type, list[tuple[Any, Any]]] | None:
+def children(node: Any, key: str = "") -> tuple[type, list[tuple[Any, Any]]] | None:
     """(container type, [(key, child), ...]) of a container node (dict, list or tuple;
     list and tuple keys are indices), or None for a leaf (a scalar, a tensor or
-    rank-local placeholder, or a tagged scalar such as ``$int``)."""
-    if isinstance(node, list):
-        return list, list(enumerate(node))
-    seq = saved_sequence(node, tuple)
-    if seq is not None:
-        return tuple, list(enumerate(seq))
-    if saved_ref(node) is not None:
-        return None
-    items = saved_items(node)
-    if items is not None:
-        return dict, items
-    return None
+    rank-local placeholder, or a tagged scalar such as ``$int``). A malformed ``$tuple``
+    or ``$dict`` raises CorruptCheckpointError naming ``key`` (format.values.container:
+    the rules of the decoder that loads use)."""
+    return container(node, key)
 
 
 def walk(node: Any, parts: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any, bool]]:
     """Every node in saved order as (key parts, node, is_container), containers first."""
-    kids = children(node)
+    kids = children(node, ".".join(parts))
     yield parts, node, kids is not None
     if kids is not None:
         for k, v in kids[1]:
@@ -59,7 +52,7 @@ def select(tree: Any, wanted: list[str]) -> Any:
             return node
         if parts and not any(w.startswith(key + ".") for w in wanted):
             return _DROP
-        kids = children(node)
+        kids = children(node, key)
         if kids is None:
             return _DROP
         kind, items = kids
@@ -112,6 +105,6 @@ def check_tree(manifest: Any) -> None:
     for key, per_rank in manifest.rank_local.items():
         if not isinstance(per_rank, list):
             raise CorruptCheckpointError(f"manifest: rank-local value {key!r} is not a list of per-rank values")
-        for value in per_rank:
-            decode(value, on_ref)
+        for rank, value in enumerate(per_rank):
+            decode(value, on_ref, f"{key}#rank{rank}")
     manifest._tree_checked = True

@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..errors import UnsupportedValueError
-from ..format.values import MAX_DEPTH, encode_dict_key, encode_scalar, nesting_depth
+from ..format.values import MAX_DEPTH, container, encode_dict_key, encode_scalar, nesting_depth
 
 
 @runtime_checkable
@@ -155,24 +155,23 @@ def flatten(state: Any, rank: int = 0) -> FlatState:
     return flat
 
 
-def saved_items(saved: Any) -> list[tuple[Any, Any]] | None:
-    """The (key, typed-JSON value) pairs of a saved dict node, or None if it is not a dict."""
-    if isinstance(saved, dict):
-        if len(saved) == 1 and "$dict" in saved:
-            from ..format.values import decode
-
-            return [(decode(k), v) for k, v in saved["$dict"]]
-        if not any(k.startswith("$") for k in saved):
-            return list(saved.items())
-    return None
+def saved_items(saved: Any, key: str = "") -> list[tuple[Any, Any]] | None:
+    """The (key, typed-JSON value) pairs of a saved dict node, or None if it is not a dict.
+    A malformed ``$dict`` (an entry not a pair, a key neither str nor int, a key twice)
+    raises CorruptCheckpointError naming ``key``, as decoding it would."""
+    kids = container(saved, key) if isinstance(saved, dict) else None
+    return kids[1] if kids is not None and kids[0] is dict else None
 
 
-def saved_sequence(saved: Any, kind: type) -> list[Any] | None:
-    """The elements of a saved list (kind=list) or tuple (kind=tuple) node, else None."""
+def saved_sequence(saved: Any, kind: type, key: str = "") -> list[Any] | None:
+    """The elements of a saved list (kind=list) or tuple (kind=tuple) node, else None. A
+    ``$tuple`` whose payload is not a list raises CorruptCheckpointError naming ``key``."""
     if kind is list and isinstance(saved, list):
         return saved
     if kind is tuple and isinstance(saved, dict) and len(saved) == 1 and "$tuple" in saved:
-        return saved["$tuple"]
+        kids = container(saved, key)
+        assert kids is not None
+        return [v for _, v in kids[1]]
     return None
 
 
