@@ -41,8 +41,8 @@ def test_booleans_in_integer_columns_are_refused(column):
 BAD_NODES = [
     ({"$tuple": 5}, "bad $tuple value 5: payload is not a list"),
     ({"$dict": [[1]]}, "bad $dict value [[1]]: entry [1] is not a [key, value] pair"),
-    ({"$dict": [[1, "a"], [1, "b"]]}, "duplicate key 1"),
-    ({"$dict": [[[1], "a"]]}, "dict key [1] is not a str or int"),
+    ({"$dict": [[1, "a"], [1, "b"]]}, "bad $dict value [[1, 'a'], [1, 'b']]: duplicate key 1"),
+    ({"$dict": [[[1], "a"]]}, "bad $dict value [[[1], 'a']]: dict key [1] is not a str or int"),
 ]
 
 
