@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import shardsafe
+from bitwise import tensors_equal as same
 from shardsafe import CheckpointError, CheckpointManager, CheckpointNotFoundError
 from shardsafe.errors import MissingKeysError
 from shardsafe.storage.s3 import parse_options
@@ -27,11 +28,6 @@ def state(seed: int = 0) -> dict:
 def zeros() -> dict:
     return {"model": {"0.weight": torch.zeros(4, 3), "0.bias": torch.zeros(4)},
             "optim": {"state": {"0.weight": {"exp_avg": torch.zeros(4, 3)}}, "lr": 0.0}}
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (dtype, shape and bytes)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def untouched(dest: dict) -> bool:
