@@ -32,6 +32,7 @@ bench: install
 
 faults: install
 	$(PY) -m faults.campaign
+	SHARDSAFE_LAYOUT_CASES=60 $(PY) -m pytest -q tests/test_layout_property.py
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks examples
