@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from shardsafe.format.checksum import checksum
@@ -529,7 +531,72 @@ def cases() -> list[Case]:  # noqa: PLR0915 - one long, flat list
     add(_s("header: fsdp rank-2 dtype code differs", header_edit(
         lambda h: next(v for k, v in h.items() if k != "__metadata__" and v["dtype"] == "F32").__setitem__(
             "dtype", "I32"), "data-r00002-00.safetensors"), base="fsdp"))
+
+    # -- the rule budget (format 3: the working copy becomes a crafted FSDP x TP checkpoint)
+    huge = {"dtype": "uint8", "shape": [1 << 21, 1 << 21], "placements": [["SS", 0, 1 << 20], ["SS", 1, 1 << 20]],
+            "world": 1 << 20}
+    add(_s("rules: 2^42 boxes backed only by a stated index size of 2^40", _rules_case(**huge, index_bytes=1 << 40),
+           mismatch_ok=True))
+    add(_s("rules: 2^42 boxes, a lying index size of 2^50 (bounded read)", _rules_case(**huge, index_bytes=1 << 50),
+           mismatch_ok=True))
+    add(_s("rules: 2^24 boxes on a padded 1 MiB index", _rules_case(
+        shape=[4096, 4096], placements=[["SS", 0, 2048], ["SS", 1, 2048]], world=1 << 20, pad_to=1 << 20),
+           mismatch_ok=True))
+    add(_s("rules: 360k boxes beyond the free allowance, a padded 2 MiB index's real rows", _rules_case(
+        shape=[600, 600], placements=[["SS", 0, 512], ["SS", 1, 512]], world=1 << 20, pad_to=2 << 20),
+           mismatch_ok=True))
+    add(_s("index: rank false", _rules_case(index_edit=lambda raw: raw.replace(b'"rank":0,', b'"rank":false,', 1)),
+           mismatch_ok=True))
     return out
+
+
+ASSET3 = Path(__file__).resolve().parent.parent / "tests" / "assets" / "format3_0" / "fsdp_tp"
+"""A committed format-3.0 FSDP x TP checkpoint: mesh [2, 2] (ranks 0-3), four files, rules."""
+RULE_KEY = "model.blocks.0.down.weight"  # a rule tensor on mesh 0
+INDEX0 = "data-r00000-00.index.json"
+
+
+def craft_rules(path: Path, *, dtype: str = "float32", shape: list[int] | None = None,
+                placements: list[list[Any]] | None = None, world: int | None = None, index_bytes: int | None = None,
+                pad_to: int = 0, index_edit: Callable[[bytes], bytes] | None = None) -> set[str]:
+    """Write :data:`ASSET3` into folder ``path`` with tensor RULE_KEY's dtype, shape and rule
+    placements, the world size and the first index (its stated size, padding to ``pad_to``
+    bytes, an edit) changed and the manifest re-sealed; returns the names written."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in os.listdir(ASSET3):
+        shutil.copyfile(ASSET3 / name, path / name)
+    b = json.loads((path / MANIFEST).read_bytes())
+    b.pop("manifest_xxh3_64")
+    entry = b["tensors"][RULE_KEY]
+    entry["dtype"] = dtype
+    if shape is not None:
+        entry["shape"] = shape
+    if placements is not None:
+        entry["rule"]["placements"] = placements
+    if world is not None:
+        b["world_size"] = world
+    raw = (path / INDEX0).read_bytes()
+    if index_edit is not None:
+        raw = index_edit(raw)
+    if pad_to:
+        raw = raw[:-1] + b" " * (pad_to - len(raw)) + b"}"
+    (path / INDEX0).write_bytes(raw)
+    files = b["files"]
+    files["index_bytes"][0] = len(raw) if index_bytes is None else index_bytes
+    files["index_x"] = checksum(raw) + files["index_x"][16:]
+    head = dumps(b).encode()[:-1]
+    (path / MANIFEST).write_bytes(head + TRAILER + checksum(head).encode() + b'"}\n')
+    return set(os.listdir(ASSET3))
+
+
+def _rules_case(**craft: Any) -> Callable[[Ckpt], set[str]]:
+    """The working copy replaced by :func:`craft_rules` (``restore`` puts it back)."""
+    def make(ck: Ckpt) -> set[str]:
+        old = set(os.listdir(ck.work))
+        for name in old:
+            (ck.work / name).unlink()
+        return old | craft_rules(ck.work, **craft)
+    return make
 
 
 def _header_bytes(ck: Ckpt, fname: str = DATA0) -> bytes:

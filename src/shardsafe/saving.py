@@ -45,7 +45,8 @@ from .format.dtypes import dtype_name, name_itemsize, safetensors_code
 from .format.file_index import FileIndex, IndexedChunk, build_index, index_name
 from .format.manifest import FORMAT_VERSION, FileEntry, Manifest, TensorEntry
 from .format.refs import RefFile
-from .format.rules import Mesh, parse_placement, placements_json
+from .format.rules import Mesh, placements_json
+from .format.rules import rule_problem as _rule_problem  # the reader's predicate (tests patch this name)
 from .hints import warn_user
 from .incremental import Base, VersionMemo, chain_depth, match, reference_rows
 from .layout import Box
@@ -157,12 +158,13 @@ def describe(state: dict[str, Any], rank: int, group_rank: Any = None, world: in
 def _rule_key(t: Any, group_rank: Any, world: int) -> tuple | None:
     """A DTensor's layout as a rule (mesh shape, the saving group's rank at each mesh
     coordinate, dim names; placements), or None when it has none (docs/format.md, rules)
-    or a reader of a ``world``-rank checkpoint would refuse it (a ``_StridedShard`` split
-    factor above the world size): such a tensor is saved as explicit boxes."""
+    or a reader of a ``world``-rank checkpoint could refuse it (``format.rules.rule_problem``:
+    a ``_StridedShard`` split factor above the world size, a bound the rule budget would not
+    back): such a tensor is saved as explicit boxes."""
     if not t.shape or 0 in t.shape:
         return None
     placements = placements_json(t.placements, len(t.shape))
-    if placements is None or _rule_problem(tuple(t.shape), placements, world) is not None:
+    if placements is None or _rule_problem(tuple(t.shape), placements, tuple(t.device_mesh.shape), world) is not None:
         return None
     mesh = t.device_mesh
     ranks = mesh.mesh.flatten().tolist()
@@ -172,16 +174,6 @@ def _rule_key(t: Any, group_rank: Any, world: int) -> tuple | None:
             return None
     names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
     return (tuple(mesh.shape), tuple(ranks), names), tuple(tuple(p) for p in placements)
-
-
-def _rule_problem(shape: tuple[int, ...], placements: list[list[Any]], world: int) -> str | None:
-    """Why a reader would refuse these rule placements, or None (the reader's own check)."""
-    try:
-        for p in placements:
-            parse_placement(p, len(shape), world)
-    except CorruptCheckpointError as exc:
-        return str(exc)
-    return None
 
 
 def _check_saveable(key: str, t: torch.Tensor) -> None:

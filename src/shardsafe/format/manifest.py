@@ -27,7 +27,17 @@ from .checksum import ALGORITHM, checksum
 from .chunk_table import HEX, Chunk, ChunkTable, table_json
 from .file_index import FileIndex, data_name, index_name, verify_index
 from .refs import RefFile, parse_refs, refs_json
-from .rules import Mesh, Rule, parse_placement
+from .rules import (
+    FREE_BOXES,
+    INDEX_BYTES_PER_ROW,
+    RULE_SLACK,
+    Backing,
+    Mesh,
+    Rule,
+    allowance,
+    free_boxes,
+    parse_placement,
+)
 from .strict_json import (  # noqa: F401 (MAX_MEMBER_DEPTH re-exported)
     MAX_MEMBER_DEPTH,
     MAX_NAME_BYTES,
@@ -58,9 +68,6 @@ and tools may allocate one block."""
 MAX_FILE_NAME_BYTES = MAX_NAME_BYTES
 MAX_WORLD = 1 << 20
 """Largest ``world_size`` of a format-3 manifest (tools list per-rank values by rank)."""
-BOXES_PER_INDEX_BYTE = 16
-"""Format 3: the rules' chunks (bounded without cutting) may not exceed this many per byte
-of all file indexes together."""
 MAX_CREATED = 1 << 35
 """``created`` lies in ``[0, 2^35)`` seconds (before the year 3058), so every tool can show it."""
 
@@ -266,6 +273,7 @@ class Manifest:
         self._indexes: dict[int, FileIndex] = {}
         self._lock = threading.Lock()
         self.index_source: Callable[[list[tuple[str, int]]], list[bytes]] | None = None
+        self.backing: Backing | None = None  # format 3: rules beyond the free allowance, backed by index rows
         self.file_of_rank: dict[int, int] = {f.rank: i for i, f in enumerate(self.files)}
         self._keys = list(self.tensors)
         self._local_keys: dict[tuple[int, int], str] = {}  # (file, ordinal) -> rank-local tensor key
@@ -336,9 +344,17 @@ class Manifest:
                 self._add_local_tensors(index)
                 self._indexes[f] = index
 
-    def load_all_indexes(self) -> None:
-        """Read every file index (tools that look at the whole checkpoint)."""
+    def listed_rows(self) -> int:
+        """The chunk rows (and references) that all file indexes list, read and verified."""
         self.load_indexes(range(len(self.files)))
+        return sum(len(ix) + len(ix.ref_ordinals) for ix in self._indexes.values())
+
+    def load_all_indexes(self) -> None:
+        """Read every file index (tools that look at the whole checkpoint), and check that
+        their rows back the rules (the rule budget)."""
+        self.load_indexes(range(len(self.files)))
+        if self.backing is not None:
+            self.backing.check()
 
     def index(self, file: int) -> FileIndex:
         """The parsed index of data file ``file`` (read on first use)."""
@@ -731,11 +747,15 @@ def _parse_v3(body: dict[str, Any], spans: Any, head: bytes, version: tuple[int,
             and len(set(rank_local)) == len(rank_local)):
         raise CorruptCheckpointError("inconsistent manifest: rank_local is not a list of distinct keys")
     tensors_json = body["tensors"]
-    # Rules are refused before anything is cut when they claim more boxes than the indexes
-    # could list (a row takes dozens of bytes; the bound overcounts strided layouts by at
-    # most their split factor).
-    box_budget = BOXES_PER_INDEX_BYTE * max(1, sum(f.index_bytes for f in files))
-    tensors, members = _tensors_v3(tensors_json, body["chunks"], meshes, len(files), world_size, box_budget)
+    # The rule budget (docs/format.md, limits): the rules' bounds, summed over distinct
+    # rules, within an allowance (2^16 + 512 per distinct rule) plus the rows the indexes
+    # list. Refused here, before anything is cut, when even the stated index sizes could
+    # not list them; rules beyond the work pool (2^16 + 16 per manifest byte) are cut only
+    # once the real indexes (read and verified, each read bounded by its stated size) have
+    # been counted, and every reader that reads all indexes counts them too.
+    listable = sum(f.index_bytes for f in files) // INDEX_BYTES_PER_ROW
+    tensors, members, rules = _tensors_v3(tensors_json, body["chunks"], meshes, len(files), world_size,
+                                          FREE_BOXES + listable)
     if members != spans.counted.get("tensors"):
         duplicate = _duplicate(head, spans)
         if duplicate:
@@ -745,9 +765,16 @@ def _parse_v3(body: dict[str, Any], spans: Any, head: bytes, version: tuple[int,
     if any(r.checkpoint == "" and r.name in own for r in refs):
         raise CorruptCheckpointError("inconsistent manifest: a referenced file of this checkpoint's own folder has the "
                                      "name of its manifest, a data file or an index")
-    return Manifest(tree=body["tree"], tensors=tensors, files=files, world_size=world_size, rank_local=rank_local,
-                    created=created, writer=writer, extra=extra, version=version, meshes=meshes, file_id=file_id,
-                    refs=refs)
+    manifest = Manifest(tree=body["tree"], tensors=tensors, files=files, world_size=world_size,
+                        rank_local=rank_local, created=created, writer=writer, extra=extra, version=version,
+                        meshes=meshes, file_id=file_id, refs=refs)
+    if rules:
+        claimed = sum(r.count_bound() for r in rules)
+        manifest.backing = Backing(claimed, allowance(len(rules)), manifest.listed_rows)
+        if claimed > free_boxes(len(head)):
+            for r in rules:
+                r.backing = manifest.backing
+    return manifest
 
 
 def _files_v3(d: Any, world: int) -> tuple[list[FileEntry], str]:
@@ -783,9 +810,11 @@ def _hex_lower(s: str) -> bool:
 
 
 def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles: int, world: int,
-                box_budget: int) -> tuple[dict[str, TensorEntry], int]:
-    """Tensor entries: by rule, or by explicit boxes (rows of the geometry table), and the
-    object members of ``tensors_json`` (fewer than its raw text holds: a duplicate key)."""
+                box_budget: int) -> tuple[dict[str, TensorEntry], int, list[Rule]]:
+    """Tensor entries: by rule, or by explicit boxes (rows of the geometry table), the
+    object members of ``tensors_json`` (fewer than its raw text holds: a duplicate key) and
+    the distinct rules (their bounds summed at most ``box_budget`` plus RULE_SLACK per
+    distinct rule, nothing cut)."""
     from .dtypes import name_itemsize
 
     if type(tensors_json) is not dict:
@@ -836,9 +865,10 @@ def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles:
                 rule_obj = rules.get(rule_key)  # one Rule per geometry: its boxes are computed once
                 if rule_obj is None:
                     rule_obj = rules[rule_key] = Rule(shape_t, meshes[m], parsed, salt)
-                    box_budget -= rule_obj.count_bound()
+                    box_budget += RULE_SLACK - rule_obj.count_bound()
                     if box_budget < 0:
-                        raise CorruptCheckpointError("its rules claim more chunks than the file indexes can list")
+                        raise CorruptCheckpointError("its rules claim more chunks than the manifest allows and the "
+                                                     "file indexes can list")
                 out[key] = TensorEntry.by_rule(dtype, shape_t, kind, rule_obj)
             except CorruptCheckpointError as exc:
                 raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': {exc}") from None
@@ -870,7 +900,7 @@ def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles:
     if row != len(f) or dim != len(o):
         raise CorruptCheckpointError(f"inconsistent manifest: the tensors claim {row} chunks, the chunk table has "
                                      f"{len(f)}")
-    return out, members
+    return out, members, list(rules.values())
 
 
 class RankLocalValues(Mapping):

@@ -16,6 +16,7 @@ Placements as JSON: ``["S", d]`` (Shard(d)), ``["SS", d, split_factor]``
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
@@ -69,11 +70,30 @@ def parse_placement(p: Any, ndim: int, max_factor: int = 1 << 31) -> Placement:
                                  f"(factor 1 to {max_factor})")
 
 
-def _chunks(n: int, k: int) -> list[tuple[int, int]]:
-    """``torch.chunk`` of ``n`` items into ``k``: (start, length) per part, the missing
-    trailing parts empty (chunk size ceil(n / k))."""
-    size = -(-n // k) if n else 0
-    return [(min(i * size, n), max(0, min((i + 1) * size, n) - min(i * size, n))) for i in range(k)]
+FREE_BOXES = 1 << 16
+"""The rule budget: the rules' bounds, summed over distinct rules, are at most this plus
+:data:`RULE_SLACK` per distinct rule plus the rows of the file indexes (:func:`rules_backed`)."""
+BOXES_PER_MANIFEST_BYTE = 16
+"""A reader cuts rules whose bounds sum to at most ``FREE_BOXES`` plus this many per byte of
+the manifest (what it has read) before reading any index; beyond, it counts the indexes' rows
+first (:class:`Backing`)."""
+INDEX_BYTES_PER_ROW = 16
+"""No index row takes fewer bytes (its block checksum alone is 16 hex digits): an index of
+``b`` bytes lists at most ``b // 16`` chunks."""
+RULE_SLACK = 512
+"""Writers: a rule's bound (:meth:`Rule.count_bound`) exceeds its real box count by at most
+this, else the tensor is saved as explicit boxes (so the bound of every committed
+manifest is backed by its rows, :func:`rules_backed`)."""
+
+
+def _nonempty(size: int, k: int) -> list[int]:
+    """``torch.chunk`` of ``size`` items into ``k``: the lengths of the non-empty parts,
+    which come first (chunk size ceil(size / k); the missing trailing parts are empty)."""
+    if size <= 0:
+        return []
+    c = -(-size // k)
+    full, rest = divmod(size, c)
+    return [c] * full + ([rest] if rest else [])
 
 
 @dataclass(frozen=True)
@@ -91,47 +111,74 @@ class DimPartition:
 Runs = list[tuple[int, int]]  # (start, length) runs of positions, in sequence order
 
 
-def _take(runs: Runs, a: int, b: int) -> Runs:
-    """Positions ``a .. b-1`` of the sequence ``runs`` (as runs)."""
-    out: Runs = []
-    pos = 0
-    for start, n in runs:
-        lo, hi = max(a, pos), min(b, pos + n)
-        if lo < hi:
-            out.append((start + lo - pos, hi - lo))
-        pos += n
-        if pos >= b:
-            break
+def _append(runs: Runs, start: int, n: int) -> None:
+    """Append the run ``(start, n)``, merged with the last one when they touch."""
+    if runs and runs[-1][0] + runs[-1][1] == start:
+        runs[-1] = (runs[-1][0], runs[-1][1] + n)
+    else:
+        runs.append((start, n))
+
+
+def _cut(runs: Runs, sizes: list[int]) -> list[Runs]:
+    """Consecutive pieces of ``sizes`` positions (summing to at most the runs' total) cut
+    from the sequence ``runs``, in one forward pass over both."""
+    out: list[Runs] = []
+    i = used = 0  # the run being cut, and how much of it earlier pieces took
+    for size in sizes:
+        piece: Runs = []
+        while size:
+            start, n = runs[i]
+            take = min(n - used, size)
+            _append(piece, start + used, take)
+            used += take
+            size -= take
+            if used == n:
+                i, used = i + 1, 0
+        out.append(piece)
     return out
 
 
 def partition_bound(levels: tuple[tuple[int, Placement], ...]) -> int:
-    """An upper bound of the intervals :func:`dim_partition` makes (the pieces it cuts)."""
+    """The pieces the placements ``levels`` cut a dim into, empty ones included (a Python int)."""
     bound = 1
     for k, p in levels:
         bound *= k * (p[2] if p[0] == "SS" else 1)
     return bound
 
 
+def dim_bound(n: int, levels: tuple[tuple[int, Placement], ...]) -> int:
+    """An upper bound of the intervals of :func:`dim_partition` and of the pieces it holds
+    at any level (at most one per position, at most :func:`partition_bound`)."""
+    return min(n, partition_bound(levels))
+
+
 @lru_cache(maxsize=1024)
 def dim_partition(n: int, levels: tuple[tuple[int, Placement], ...]) -> DimPartition:
     """The partition of a dim of ``n`` items by ``levels`` (mesh size, placement), applied
-    left to right as torch does. Works on runs of positions, never on the positions
-    themselves: the cost grows with the pieces cut (:func:`partition_bound`), not with ``n``."""
-    groups: list[tuple[int, Runs]] = [(0, [(0, n)] if n else [])]
+    left to right as torch does. One forward pass over runs of positions per level, empty
+    pieces never made: time and memory grow with :func:`dim_bound` times the levels, never
+    with ``n`` or with the factors alone (callers check the bound before cutting)."""
+    groups: list[tuple[int, Runs, int]] = [(0, [(0, n)], n)] if n else []  # (owner label, runs, size)
     for k, p in levels:
-        nxt: list[tuple[int, Runs]] = []
-        for label, runs in groups:
-            size = sum(ln for _, ln in runs)
+        nxt: list[tuple[int, Runs, int]] = []
+        for label, runs, size in groups:
             if p[0] == "S":
-                pieces = [_take(runs, s, s + ln) for s, ln in _chunks(size, k)]
-            else:  # strided: split_factor parts, each into k; coordinate c takes piece c of each part
-                parts = [_take(runs, s, s + ln) for s, ln in _chunks(size, p[2])]
-                cut = [[_take(part, s, s + ln) for s, ln in _chunks(sum(x for _, x in part), k)] for part in parts]
-                pieces = [[r for c in cut for r in c[i]] for i in range(k)]
-            nxt.extend((label * k + c, piece) for c, piece in enumerate(pieces))
+                sizes = _nonempty(size, k)
+                nxt.extend((label * k + c, piece, ln) for c, (piece, ln) in enumerate(zip(_cut(runs, sizes), sizes)))
+                continue
+            # strided: split_factor parts, each into k; coordinate c takes piece c of each part
+            per_part = [_nonempty(ln, k) for ln in _nonempty(size, p[2])]
+            flat = iter(_cut(runs, [x for part in per_part for x in part]))
+            taken: list[Runs] = [[] for _ in range(min(k, size))]
+            sizes_of = [0] * len(taken)
+            for part in per_part:
+                for c, ln in enumerate(part):
+                    for start, m in next(flat):
+                        _append(taken[c], start, m)
+                    sizes_of[c] += ln
+            nxt.extend((label * k + c, piece, ln) for c, (piece, ln) in enumerate(zip(taken, sizes_of)) if ln)
         groups = nxt
-    owned = sorted((start, ln, label) for label, runs in groups for start, ln in runs if ln)
+    owned = sorted((start, ln, label) for label, runs, _ in groups for start, ln in runs)
     parts_: list[list[int]] = []
     for start, ln, label in owned:  # adjacent runs of one owner are one interval
         if parts_ and parts_[-1][2] == label and parts_[-1][0] + parts_[-1][1] == start:
@@ -142,6 +189,66 @@ def dim_partition(n: int, levels: tuple[tuple[int, Placement], ...]) -> DimParti
                         {s: i for i, (s, _, _) in enumerate(parts_)})
 
 
+class Backing:
+    """The boxes a manifest's rules claim beyond their free allowance, checked once, before
+    any rule is cut, against the rows its file indexes really list (``rows`` reads and
+    verifies them all: each read is bounded by the index's stated size, plus one byte)."""
+
+    __slots__ = ("claimed", "free", "rows", "done")
+
+    def __init__(self, claimed: int, free: int, rows: Callable[[], int]) -> None:
+        self.claimed, self.free, self.rows, self.done = claimed, free, rows, False
+
+    def check(self) -> None:
+        """Raise CorruptCheckpointError unless the indexes' rows back the claim."""
+        if self.done:
+            return
+        listed = self.rows()
+        if not rules_backed(self.claimed, self.free, listed):
+            raise CorruptCheckpointError(f"its rules claim up to {self.claimed} chunks, more than an allowance of "
+                                         f"{self.free} and the {listed} rows its file indexes list")
+        self.done = True
+
+
+def free_boxes(manifest_bytes: int) -> int:
+    """The rule bounds a reader cuts, for a manifest of ``manifest_bytes`` bytes, before it
+    has counted any index's rows (the work pool)."""
+    return FREE_BOXES + BOXES_PER_MANIFEST_BYTE * manifest_bytes
+
+
+def allowance(distinct_rules: int) -> int:
+    """The part of the rule budget no index row backs: what writers' bounds may overcount."""
+    return FREE_BOXES + RULE_SLACK * distinct_rules
+
+
+def rules_backed(claimed: int, allowed: int, rows: int) -> bool:
+    """The reader's rule budget (docs/format.md, limits): the rules' bounds, summed over
+    distinct rules, within :func:`allowance` plus the index rows (those listed, or at most
+    ``index bytes // 16`` before the indexes are read)."""
+    return claimed <= allowed + rows
+
+
+def rule_problem(shape: tuple[int, ...], placements: list[list[Any]], mesh_shape: tuple[int, ...],
+                 world: int) -> str | None:
+    """Why a reader could refuse these rule placements in a ``world``-rank checkpoint, or
+    None: a placement it does not parse, or a bound more than :data:`RULE_SLACK` above the
+    real box count (the writer then saves explicit boxes). Cuts nothing unless the bound
+    is above the slack; the cut grows with the dims' bounds, not their product."""
+    try:
+        if len(placements) != len(mesh_shape):
+            raise CorruptCheckpointError(f"{len(placements)} placements for a {len(mesh_shape)}-dim mesh")
+        parsed = tuple(parse_placement(p, len(shape), world) for p in placements)
+    except CorruptCheckpointError as exc:
+        return str(exc)
+    if not shape or 0 in shape:
+        return "a rule needs a shape of non-zero dims"
+    rule = Rule(shape, Mesh(tuple(mesh_shape), tuple(range(prod(mesh_shape)))), parsed)
+    bound = rule.count_bound()
+    if bound > RULE_SLACK and bound - rule.count() > RULE_SLACK:
+        return f"its bound of {bound} boxes is more than {RULE_SLACK} above its {rule.count()} boxes"
+    return None
+
+
 class Rule:
     """The chunks of one tensor under one mesh and placements, and which rank's file holds
     each: a box held by several coordinates (Replicate mesh dims) is held by the replica
@@ -149,7 +256,7 @@ class Rule:
     boxes; replicas numbered row-major over the Replicate dims)."""
 
     __slots__ = ("shape", "mesh", "placements", "salt", "_dims", "_levels_of", "_rep_dims", "_replicas",
-                 "_shard_dims_of", "_meeting")
+                 "_shard_dims_of", "_meeting", "backing")
 
     def __init__(self, shape: tuple[int, ...], mesh: Mesh, placements: tuple[Placement, ...], salt: int = 0) -> None:
         if len(placements) != len(mesh.shape):
@@ -164,6 +271,7 @@ class Rule:
         self._replicas = prod(mesh.shape[i] for i in self._rep_dims)
         self._dims: list[DimPartition] | None = None
         self._meeting: dict[tuple, list] = {}  # boxes_meeting by query (tensors share rules: see the parser)
+        self.backing: Backing | None = None  # the manifest's check that index rows back its rules
 
     @property
     def replicas(self) -> int:
@@ -178,12 +286,14 @@ class Rule:
         return [tuple((self.mesh.shape[i], self.placements[i]) for i in mesh_dims) for mesh_dims in self._shard_dims_of]
 
     def count_bound(self) -> int:
-        """An upper bound of :meth:`count`, computed without cutting anything."""
-        return prod(partition_bound(lv) for lv in self.levels())
+        """An upper bound of :meth:`count` (and of the work of cutting), without cutting."""
+        return prod(dim_bound(n, lv) for n, lv in zip(self.shape, self.levels()))
 
     def dims(self) -> list[DimPartition]:
         """The partition of every tensor dim."""
         if self._dims is None:
+            if self.backing is not None:
+                self.backing.check()
             self._dims = [dim_partition(n, lv) for n, lv in zip(self.shape, self.levels())]
         return self._dims
 
@@ -276,4 +386,6 @@ def placements_json(placements: Any, ndim: int) -> list[list[Any]] | None:
     return out
 
 
-__all__ = ["DimPartition", "Mesh", "Rule", "dim_partition", "parse_placement", "placements_json"]
+__all__ = ["BOXES_PER_MANIFEST_BYTE", "FREE_BOXES", "INDEX_BYTES_PER_ROW", "RULE_SLACK", "Backing", "DimPartition",
+           "Mesh", "Rule", "allowance", "dim_bound", "dim_partition", "free_boxes", "parse_placement",
+           "placements_json", "rule_problem", "rules_backed"]
