@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from .checkpoint_folder import TMP_MARK, hidden_name, publish
 from .errors import CheckpointError, CheckpointNotFoundError
+from .hints import nearest
 from .storage.base import Backend, Folder
 
 if TYPE_CHECKING:  # torch is imported only by the functions that write tensors
@@ -310,13 +311,22 @@ def parse_rule(rule: str | tuple[str, str]) -> tuple[re.Pattern[str], str]:
 def rename_names(names: Sequence[str], rename: Rename | None) -> list[str]:
     """``names`` renamed: by a callable, by a mapping (names it lacks are kept), or by rules
     applied in order, each to the result of the ones before (``re.sub``: every match of the
-    regex replaced; ``\\1`` refers to a group). A rule that matches no name, an empty result
-    and two names renamed alike are errors."""
+    regex replaced; ``\\1`` refers to a group); a ``str`` is one rule. A rule that matches
+    no name, a mapping key that is no name (with the closest names), an empty result and
+    two names renamed alike are errors."""
+    if isinstance(rename, str):
+        rename = [rename]
     if rename is None:
         out = list(names)
     elif callable(rename):
         out = [rename(n) for n in names]
     elif isinstance(rename, Mapping):
+        unknown = [k for k in rename if k not in set(names)]
+        if unknown:
+            near = nearest(str(unknown[0]), names)
+            hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else \
+                f" (names look like {', '.join(repr(n) for n in names[:3])})"
+            raise HFFolderError(f"rename: {unknown[0]!r} is not one of the exported names{hint}")
         out = [rename.get(n, n) for n in names]
     else:
         rules = [parse_rule(r) for r in rename]

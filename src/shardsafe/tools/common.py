@@ -21,6 +21,12 @@ class UsageError(CheckpointError, ValueError):
     """A request to a tool is wrong (bad option value, output already exists, ...)."""
 
 
+DCP_EMPTY_DICTS = ("shardsafe", "empty_dicts")
+"""The DCP ``planner_data`` key (a tuple: never a flattened DCP key, which are strings) under
+which ``export --to dcp`` lists the paths of the empty dicts DCP's flattening drops;
+``import`` restores them."""
+
+
 def parse_size(text: str | int) -> int:
     """Bytes from ``"5GB"`` (10**9, as Hugging Face), ``"200MiB"`` (2**20), ``"64M"``
     (2**20) or a plain number of bytes; UsageError for anything else."""

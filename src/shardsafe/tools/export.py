@@ -39,14 +39,14 @@ import torch
 from .. import hf_folder
 from ..checkpointer import Checkpointer
 from ..engine.outputs import OutputFile, SafetensorsOutput, Slot, TorchSaveOutput
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from ..format.dtypes import torch_dtype
 from ..format.manifest import Manifest
-from ..format.values import decode
-from ..hints import missing_tensor
+from ..format.values import PICKLE_INT_BOUND, decode
+from ..hints import as_keys, missing_tensor
 from ..state.saved import children, select, walk
 from ..state.tree import join_key, saved_ref
-from .common import Output, PathLike, UsageError, human_bytes, locate, no_match, parse_size
+from .common import DCP_EMPTY_DICTS, Output, PathLike, UsageError, human_bytes, locate, no_match, parse_size
 from .progress import Progress
 
 FORMATS = ("torch", "safetensors", "hf", "dcp")
@@ -103,7 +103,11 @@ def expand_rank_local(tree: Any, manifest: Manifest, rank: int | None, skipped: 
     copy) rank-local values are dropped and their keys added to ``skipped``."""
     ref = saved_ref(tree)
     if ref is not None and ref[0] == "$rank_local":
-        per_rank = manifest.rank_local.get(ref[1]) or []
+        if ref[1] not in manifest.rank_local:
+            raise CorruptCheckpointError(
+                f"the state at '{join_key(list(parts)) or '<root>'}' is rank-local value {ref[1]!r}, which the "
+                "manifest does not list (a dangling $rank_local)")
+        per_rank = manifest.rank_local[ref[1]]
         if rank is None or not (0 <= rank < len(per_rank)) or per_rank[rank] is None:
             skipped.append(join_key(list(parts)) or "<root>")
             return _DROP
@@ -162,6 +166,25 @@ def _build(node: Any, parts: list[str], manifest: Manifest, dtype: torch.dtype |
     value = decode(node)
     out.values.append((join_key(parts), value))
     return value
+
+
+def _check_loadable(key: str, value: Any, to: str) -> None:
+    """Refuse, naming ``key``, a plain value that ``torch.load(weights_only=True)`` could not
+    read back: an int beyond pickle's LONG1 opcode (a checkpoint written before ``save``
+    refused them; see ``format.values.PICKLE_INT_BOUND``)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, int) and not -PICKLE_INT_BOUND <= v < PICKLE_INT_BOUND:
+            raise UnsupportedValueError(
+                f"cannot export '{key}' to {to}: it holds an int of {v.bit_length()} bits, and "
+                "torch.load(weights_only=True) reads at most 2039 bits and a sign (export it with --to "
+                "safetensors or hf, which leave plain values out, or select the other keys with --keys)")
 
 
 def _strip(name: str, prefix: str | None) -> str:
@@ -235,6 +258,9 @@ def export_checkpoint(
     one at ``config_key``). The checkpoint is opened once and its tensors read one at a
     time; the output appears atomically."""
     t0 = time.perf_counter()
+    keys = list(as_keys(keys, "keys")) if keys is not None else None
+    if strip is not None and not isinstance(strip, str):
+        raise TypeError(f"strip takes one dotted prefix (str), not {type(strip).__name__}")
     if to not in FORMATS:
         raise UsageError(f"unknown export format {to!r}: choose one of {', '.join(FORMATS)}")
     if to != "hf" and (config is not None or generation_config is not None or config_key is not None):
@@ -311,6 +337,8 @@ class _Job:
             skeleton = {_strip(k, strip): v for k, v in built.values} if self.to in ("torch", "dcp") else {}
             skeleton.update({s.name: s for s in slots})
         if self.to in ("torch", "dcp"):
+            for key, value in built.values:
+                _check_loadable(key, value, self.to)
             report.values = len(built.values)
         else:
             report.skipped_values = len(built.values)
@@ -425,6 +453,34 @@ def _write_file(open_output: Callable[[], OutputFile], slots: list[Slot],
         raise
 
 
+def dcp_empty_dicts(state: dict[Any, Any]) -> list[tuple[str | int, ...]]:
+    """The DCP object paths (``str`` keys, ``int`` list positions) of the empty dicts that
+    ``torch.distributed.checkpoint`` would drop from ``state``: those its traversal reaches
+    (not inside a list it pickles whole, which keeps them)."""
+
+    def terminal(v: Any) -> bool:  # as torch.distributed.checkpoint._traverse: pickled whole
+        if isinstance(v, dict):
+            return False
+        if not isinstance(v, list):
+            return True
+        return all(not isinstance(e, torch.Tensor) and (not isinstance(e, (dict, list)) or terminal(e)) for e in v)
+
+    out: list[tuple[str | int, ...]] = []
+
+    def visit(path: tuple[str | int, ...], v: Any) -> None:
+        if isinstance(v, dict):
+            if not v and path:
+                out.append(path)
+            for k, x in v.items():
+                visit(path + (str(k),), x)
+        elif not terminal(v) and isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                visit(path + (i,), x)
+
+    visit((), state)
+    return out
+
+
 def _write_dcp(target: Output, skeleton: Any, fetch: Callable[[Slot], torch.Tensor]) -> list[str]:
     """Write ``skeleton`` (Slots for tensors) as a DCP folder at the output's temporary
     path with ``torch.distributed.checkpoint.save`` (no process group): DCP plans from
@@ -450,13 +506,21 @@ def _write_dcp(target: Output, skeleton: Any, fetch: Callable[[Slot], torch.Tens
             return type(node)(stand_in(v) for v in node)
         return node
 
+    state = stand_in(skeleton)
+    empties = dcp_empty_dicts(state)
+
     class _Planner(DefaultSavePlanner):
         def resolve_data(self, write_item: Any) -> Any:
             obj = self.lookup_object(write_item.index)
             slot = slots.get(id(obj))
             return super().resolve_data(write_item) if slot is None else fetch(slot)
 
-    state = stand_in(skeleton)
+        def create_global_plan(self, all_plans: Any) -> Any:
+            plans, metadata = super().create_global_plan(all_plans)
+            if empties:  # DCP keeps no empty dict: their paths ride in planner_data (import restores them)
+                metadata.planner_data[DCP_EMPTY_DICTS] = empties
+            return plans, metadata
+
     with target.folder():
         pass  # created here, filled by DCP's writer
     writer = FileSystemWriter(target.local_path(), single_file_per_rank=False, sync_files=True)

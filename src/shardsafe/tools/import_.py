@@ -37,7 +37,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..format.dtypes import TORCH_TO_CODE, itemsize
 from ..format.manifest import MANIFEST_NAME
 from ..storage.base import Folder
-from .common import PathLike, UsageError, human_bytes
+from .common import DCP_EMPTY_DICTS, PathLike, UsageError, human_bytes
 from .progress import Progress
 
 SOURCES = ("torch", "safetensors", "hf", "dcp")
@@ -219,14 +219,18 @@ def load_dcp(src: Path, trust_pickle: bool) -> dict[str, Any]:
     if not trust_pickle:
         raise UsageError(f"refusing to import {src}: {PICKLE_WHY}")
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._nested_dict import set_element
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
+    reader = FileSystemReader(str(src))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _load_state_dict(state, storage_reader=FileSystemReader(str(src)), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        planner_data = reader.read_metadata().planner_data
+    for path in (planner_data or {}).get(DCP_EMPTY_DICTS, ()):  # a shardsafe export's empty dicts
+        set_element(state, tuple(path), {})
     return state
 
 
