@@ -40,7 +40,11 @@ class Variant:
     """One way to end the second job. ``close``: "explicit" (``mgr.close()``), "with" (the
     manager as a context manager) or "none" (left to the interpreter's exit); ``destroy``:
     "after" or "before" close (before: the user destroys the default group first, the
-    manager is closed after), or "never"; ``save``: one more (forced) save after the load."""
+    manager is closed after), or "never"; ``save``: one more (forced) save after the load.
+    ``manager`` False: a control with no shardsafe object (the same model, gather,
+    ``destroy_process_group()`` and exit); ``settle`` then says whether shardsafe's exit
+    handler is installed (``import shardsafe.checkpointer``). The control without it is
+    torch alone: its aborts are counted and shown, never a failure (``expect_clean``)."""
 
     name: str
     mode: str = "async"
@@ -48,6 +52,13 @@ class Variant:
     close: str = "explicit"
     destroy: str = "after"
     gather: bool = True
+    manager: bool = True
+    settle: bool = True
+
+    @property
+    def expect_clean(self) -> bool:
+        """False for the torch-only control: its aborts are torch's, reported as evidence."""
+        return self.manager or self.settle
 
 
 VARIANTS = (
@@ -62,6 +73,10 @@ VARIANTS = (
     Variant("async-save-no-close-no-destroy", save=True, close="none", destroy="never"),
     Variant("async-save-with", save=True, close="with"),
     Variant("sync-save-no-close", mode="disabled", save=True, close="none"),
+    # The controls: the same model, gather, destroy and exit with no shardsafe object. torch alone aborts
+    # (pytorch/pytorch#190489); with shardsafe's exit handler installed it must not.
+    Variant("torch-only-gather", manager=False, settle=False),
+    Variant("torch-gather-settled", manager=False),
 )
 
 
@@ -130,6 +145,13 @@ def leftovers(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return {"threads": threads, "fds": fds, "groups": after["groups"] - before["groups"]}
 
 
+def _gather_full(model: Any) -> int:
+    """The user's end of job: the full model gathered to the CPU (FSDP all-gathers)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return len(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+
+
 def job(args: argparse.Namespace) -> None:
     """One rank of the first ("train") or second ("resume") job."""
     import torch
@@ -144,6 +166,14 @@ def job(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ts = shardsafe.TrainState(model, opt)
     before = snapshot()
+    if not args.manager:  # the controls: the same model, gather and exit, no shardsafe object at all
+        if args.settle:
+            import shardsafe.checkpointer  # noqa: F401 - installs the exit handler, nothing else
+        dist.barrier()
+        _gather_full(model)
+        dist.destroy_process_group()
+        Path(args.reports, f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "control": True}))
+        return
     mgr = shardsafe.CheckpointManager(args.folder, interval=4, keep_last=2, async_mode=args.mode)
     if args.job == "train":
         for step in range(1, 9):
@@ -165,10 +195,7 @@ def job(args: argparse.Namespace) -> None:
 
     def gather() -> None:
         if args.gather:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            report["gathered"] = len(sd)
+            report["gathered"] = _gather_full(model)
 
     if args.close == "with":
         with mgr:
@@ -208,7 +235,7 @@ def backtraces(where: Path) -> list[str]:
     out = []
     for core in sorted(where.glob("core*")):
         try:
-            p = subprocess.run(["gdb", "-batch", "-nx", "-ex", "thread apply all bt 25", sys.executable, str(core)],
+            p = subprocess.run(["gdb", "-batch", "-nx", "-ex", "thread apply all bt 80", sys.executable, str(core)],
                                capture_output=True, text=True, timeout=300)
             out.append(p.stdout[-20000:])
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -237,6 +264,10 @@ def launch(folder: Path, job_name: str, model: str, variant: Variant, timeout: f
         cmd.append("--save")
     if not variant.gather:
         cmd.append("--no-gather")
+    if not variant.manager:
+        cmd.append("--no-manager")
+    if not variant.settle:
+        cmd.append("--no-settle")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]),
            "PYTHONFAULTHANDLER": "1"}
     t0 = time.perf_counter()
@@ -269,6 +300,8 @@ def problems(variant: Variant, run: dict[str, Any]) -> list[str]:
     if len(run["reports"]) != WORLD:
         bad.append(f"{len(run['reports'])} of {WORLD} ranks reported")
     for r in run["reports"]:
+        if r.get("control"):
+            continue
         if r.get("loaded") != 8 or r.get("rng") != "exact":
             bad.append(f"rank {r['rank']}: loaded {r.get('loaded')} rng {r.get('rng')}")
         left = r.get("left")
@@ -308,7 +341,8 @@ def stress(variants: list[Variant], runs: int, model: str = "mlp", timeout: floa
                     bad_runs += 1
                     if len(examples) < 3:
                         examples.append({"run": i, "problems": bad, "stderr": run["stderr"], "stacks": run["stacks"]})
-            out[v.name] = {"runs": runs, "abnormal": bad_runs, "seconds": round(seconds, 1), "examples": examples}
+            out[v.name] = {"runs": runs, "abnormal": bad_runs, "seconds": round(seconds, 1), "examples": examples,
+                           "expect_clean": v.expect_clean}
             log(f"{v.name}: {bad_runs}/{runs} abnormal ({seconds / max(runs, 1):.1f} s a run)")
     return out
 
@@ -331,6 +365,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--destroy", default="after", help=argparse.SUPPRESS)
     p.add_argument("--save", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-gather", dest="gather", action="store_false", help=argparse.SUPPRESS)
+    p.add_argument("--no-manager", dest="manager", action="store_false", help=argparse.SUPPRESS)
+    p.add_argument("--no-settle", dest="settle", action="store_false", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -354,11 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [known[n] for n in names] if names else list(VARIANTS)
     report = stress(chosen, args.runs, args.model, args.timeout,
                     log=lambda m: print(m, file=sys.stderr, flush=True), cores=args.cores)
-    bad = sum(r["abnormal"] for r in report.values())
+    bad = sum(r["abnormal"] for r in report.values() if r["expect_clean"])
     print(f"\nexit stress ({args.model}, {args.runs} runs of {len(chosen)} variants on {WORLD} ranks): "
-          f"{bad} abnormal")
+          f"{bad} abnormal where shardsafe is in the job")
     for name, r in report.items():
-        print(f"| {name} | {r['abnormal']}/{r['runs']} |")
+        note = "" if r["expect_clean"] else " (control: torch alone, not counted)"
+        print(f"| {name} | {r['abnormal']}/{r['runs']}{note} |")
         for ex in r["examples"]:
             print(f"  - run {ex['run']}: {'; '.join(ex['problems'])}")
     if args.out:

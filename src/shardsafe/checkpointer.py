@@ -29,6 +29,7 @@ from .engine.memory import HostMemory
 from .engine.reader import OpenFiles, Reader
 from .engine.writer import FileWriter
 from .errors import CheckpointChangedError, CheckpointError
+from .exit_settle import settle_gloo_workers
 from .format.manifest import Manifest
 from .hints import as_keys
 from .incremental import VersionMemo
@@ -581,7 +582,9 @@ _LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # for the exit drain b
 def _close_at_exit() -> None:
     """Interpreter exit closes every Checkpointer not closed yet: waits for its pending
     async save (a failure is a warning), joins its threads and destroys its dedicated
-    groups while the interpreter is whole (see :func:`destroy_groups`)."""
+    groups while the interpreter is whole (see :func:`destroy_groups`); then lets torch's
+    gloo worker threads finish freeing their last collectives' tensors before finalization
+    (:func:`~shardsafe.exit_settle.settle_gloo_workers`)."""
     for cp in list(_LIVE):
         pending = cp.pending
         try:
@@ -593,3 +596,4 @@ def _close_at_exit() -> None:
         if thread.name.startswith(("shardsafe-commit", "shardsafe-writer")) and \
                 thread is not threading.current_thread():
             thread.join()
+    settle_gloo_workers()  # torch's own gloo workers: pytorch/pytorch#190489 (exit_settle.py)
