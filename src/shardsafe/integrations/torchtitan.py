@@ -47,6 +47,7 @@ from shardsafe import (
     MissingKeysError,
     rank_local,
 )
+from shardsafe.hints import as_keys, nearest
 
 EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 MODEL, OPTIMIZER, DATALOADER, LR_SCHEDULER = "model", "optimizer", "dataloader", "lr_scheduler"
@@ -120,14 +121,18 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
         self.model = ModelWrapper(model_parts)
         self.states = states
         states.update({MODEL: self.model, OPTIMIZER: optimizers, DATALOADER: dataloader, LR_SCHEDULER: lr_schedulers})
-        for key in config.exclude_from_loading:
+        excluded = as_keys(config.exclude_from_loading, "checkpoint.exclude_from_loading") or ()
+        for key in excluded:  # a str is one state's name, as in shardsafe.load(exclude=...)
             if key not in states:
-                raise ValueError(f"checkpoint.exclude_from_loading: {key!r} is not a checkpointed state "
+                near = nearest(key, states)
+                hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+                raise ValueError(f"checkpoint.exclude_from_loading: {key!r} is not a checkpointed state{hint} "
                                  f"(states: {', '.join(sorted(states))})")
+        self.excluded = excluded
         self.export_dtype = EXPORT_DTYPES[config.export_dtype]
         self.manager = CheckpointManager(
             self.folder, interval=config.interval, keep_last=config.keep_latest_k or None,
-            async_mode=config.async_mode, exclude_from_loading=config.exclude_from_loading,
+            async_mode=config.async_mode, exclude_from_loading=excluded,
             load_only=config.load_only)
 
     # -- state ------------------------------------------------------------------------
@@ -252,7 +257,7 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
         elif step is not None:
             self.manager.load(self._full_state(), step=step)
         else:
-            shardsafe.load(self._full_state(), path, exclude=self.config.exclude_from_loading)
+            shardsafe.load(self._full_state(), path, exclude=self.excluded)
 
     def _load_model(self, path: str, step: int | None, key: str) -> None:
         """The model from ``key`` (``model``, or ``hf_model`` in Hugging Face names): in place
