@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from faults.exit_stress import VARIANTS, stress  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-CHOSEN = ("async-load-close", "async-save-no-close", "async-load-destroy-first", "torch-gather-settled")
+CHOSEN = ("async-load-close", "async-save-no-close", "async-save-destroy-first", "torch-gather-settled")
 
 
 def test_end_of_job_exits_clean():

@@ -29,7 +29,7 @@ from .engine.memory import HostMemory
 from .engine.reader import OpenFiles, Reader
 from .engine.writer import FileWriter
 from .errors import CheckpointChangedError, CheckpointError
-from .exit_settle import settle_gloo_workers
+from .exit_settle import guard_destroy, settle_gloo_workers
 from .format.manifest import Manifest
 from .hints import as_keys
 from .incremental import VersionMemo
@@ -287,6 +287,7 @@ class Checkpointer:
         if cached is None or cached[0] is not base.group:
             ranks = dist.get_process_group_ranks(base.group)
             group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+            guard_destroy(_drain_pending)  # the user's destroy_process_group() waits for our commits
             cached = (base.group, group)
             self._groups[id(base.group)] = cached  # holding the group keeps its id from being reused
         return Comm(cached[1], base.rank, base.world)
@@ -576,6 +577,16 @@ def _finish_async(prep: PreparedSave, writer: FileWriter | None, error: BaseExce
 
 
 _LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # for the exit drain below
+
+
+def _drain_pending() -> None:
+    """Wait until the async save in flight of every open Checkpointer has committed or
+    failed (its error stays for ``wait()`` / ``close()`` to raise)."""
+    for cp in list(_LIVE):
+        pending = cp.pending
+        if pending is not None:
+            pending._future.exception()  # blocks until done; raises nothing
+            pending._join()
 
 
 @atexit.register

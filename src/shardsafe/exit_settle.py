@@ -1,4 +1,6 @@
-"""At interpreter exit, let torch's gloo worker threads finish before finalization.
+"""The end of a job in an order torch tolerates: at interpreter exit, let torch's gloo
+worker threads finish before finalization; before the user's ``destroy_process_group()``,
+let the async saves in flight finish their commits.
 
 A ``ProcessGroupGloo`` worker thread (``pt_gloo_runloop``) destroys each collective's
 work object after the collective completes, on its own thread, and that can drop the
@@ -19,9 +21,12 @@ only (thread syscalls from ``/proc``; elsewhere it returns at once).
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
+from collections.abc import Callable
+from typing import Any
 
 GLOO_WORKER = "pt_gloo_runloop"
 TASKS = "/proc/self/task"
@@ -83,3 +88,34 @@ def settle_gloo_workers(timeout: float = 2.0, pause: float = 0.005) -> bool:
         else:
             calm = 0
     return False
+
+
+_GUARDED: dict[str, Any] = {}
+
+
+def guard_destroy(drain: Callable[[], None]) -> None:
+    """Make ``torch.distributed.destroy_process_group()`` of every group (no argument, or
+    the default group) call ``drain()`` first, then do what it always does. shardsafe's
+    async saves commit with collectives on dedicated gloo groups that this call destroys,
+    so a save still in flight when the user tears the groups down would fail half-way, on
+    some ranks and not others; ``drain`` waits for those commits. Installed once (the
+    first time an async save makes a dedicated group), on the module attribute, so code
+    that bound the function before then (``from torch.distributed import
+    destroy_process_group`` at import) calls torch's own. Calls naming another group pass
+    straight through."""
+    if "original" in _GUARDED:
+        return
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None or group is c10d.GroupMember.WORLD:
+            drain()
+        return original(group)
+
+    _GUARDED["original"] = original
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
