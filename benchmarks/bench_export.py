@@ -17,9 +17,8 @@ Method
     bfloat16, one safetensors file, one torch.save file; and the naive way, load_full
     + safetensors.torch.save_file (+ fsync), which holds the whole model.
   * Bound: largest tensor + 64 MiB (the reader's 16 MiB staging buffer, allocator and
-    thread slack; with --dtype the converted copy of the largest tensor is added). The
-    torch format also pays a fixed ~31 MiB, independent of the model size, the first
-    time torch's FakeTensorMode machinery (used to lay out the file) is initialized.
+    thread slack; with --dtype the converted copy of the largest tensor is added). Small
+    tensors are read in batches of at most 16 MiB, within that slack.
   * Throughput: decimal GB/s of exported source bytes, median over --reps runs
     (each includes reading with checksum verification and an fsync of the output).
     The page cache is warm (the checkpoint was just written or read).
