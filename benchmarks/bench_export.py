@@ -14,7 +14,7 @@ Method
     (/proc/self/clear_refs) just before exporting and reports VmHWM afterwards, a
     cross-check that cannot miss a short spike.
   * Contenders: shardsafe export to hf (--max-shard-size 200MB), hf with --dtype
-    bfloat16, one safetensors file, one torch.save file; and the naive way, load_full
+    bfloat16, one safetensors file, one torch.save file, a DCP folder; and the naive way, load_full
     + safetensors.torch.save_file (+ fsync), which holds the whole model.
   * Bound: largest tensor + 64 MiB (the reader's 16 MiB staging buffer, allocator and
     thread slack; with --dtype the converted copy of the largest tensor is added). Small
@@ -51,7 +51,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 SLACK = 64 * MIB
-CONTENDERS = ["hf", "hf-bf16", "safetensors", "torch", "naive"]
+CONTENDERS = ["hf", "hf-bf16", "safetensors", "torch", "dcp", "naive"]
 SMALL_TARGETS = ["torch", "safetensors", "hf", "dcp"]
 SMALL_BOUND = 2.0  # each export <= 2x load_full of the same checkpoint
 
@@ -103,7 +103,7 @@ def child(method: str, ckpt: str, out: str) -> None:
         os.close(fd)
         nbytes = sum(t.numel() * t.element_size() for t in flat.values())
     else:
-        to = {"hf": "hf", "hf-bf16": "hf", "safetensors": "safetensors", "torch": "torch"}[method]
+        to = {"hf": "hf", "hf-bf16": "hf", "safetensors": "safetensors", "torch": "torch", "dcp": "dcp"}[method]
         report = export_checkpoint(ckpt, out, to, max_shard_size="200MB", progress=False,
                                    dtype="bfloat16" if method == "hf-bf16" else None)
         nbytes = report.bytes  # bytes written (half the source with --dtype bfloat16)
@@ -286,7 +286,7 @@ def main() -> None:
         for method in CONTENDERS:
             reps = args.reps if method == "hf" else 1
             for _ in range(reps):
-                out = work / ("out" + ("" if method in ("hf", "hf-bf16") else ".bin"))
+                out = work / ("out" + ("" if method in ("hf", "hf-bf16", "dcp") else ".bin"))
                 r = measure(method, ckpt, out, args.interval)
                 r["bound"] = largest + SLACK + (largest // 2 if method == "hf-bf16" else 0)
                 runs.append(r)

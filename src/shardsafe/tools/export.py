@@ -589,6 +589,41 @@ def dcp_groups(items: list[Any], batch_bytes: int) -> list[list[Any]]:
     return groups
 
 
+def _dcp_file(folder: Any, name: str, items: list[Any], planner: Any) -> list[Any]:
+    """Write DCP write items ``items`` as file ``name`` of ``folder`` (fsync'd), each at its
+    offset as DCP's ``FileSystemWriter`` writes it (a plain value: the bytes DCP's planner
+    pickled; a tensor: the ``torch.save`` stream of it, made from a cached frame); returns
+    DCP's ``WriteResult`` for each, which its ``.metadata`` records."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    results = []
+    parts: list[Any] = []
+    pos = 0
+    for item in items:
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            pieces = [data.getbuffer()]
+        else:
+            if data.requires_grad or not (data.is_cpu and data.is_contiguous()):
+                data = data.detach().cpu().contiguous()
+            before, after = torch_save_frame(data.dtype, tuple(data.shape))
+            pieces = [memoryview(before), tensor_bytes(data), memoryview(after)]
+        n = sum(len(x) for x in pieces)
+        results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=_StorageInfo(name, pos, n)))
+        parts.extend(x for x in pieces if len(x))
+        pos += n
+    handle = folder.create(name)
+    try:
+        handle.write(parts, 0)
+        handle.finish(True)
+    except BaseException:
+        handle.abort()
+        raise
+    return results
+
+
 def _write_dcp(target: Output, skeleton: Any, fetch: Fetcher) -> list[str]:
     """Write ``skeleton`` (Slots for tensors) as a DCP folder at the output's temporary
     path with ``torch.distributed.checkpoint.save`` (no process group): DCP plans from
@@ -641,41 +676,13 @@ def _write_dcp(target: Output, skeleton: Any, fetch: Fetcher) -> list[str]:
         call per tensor (~0.1 ms each)."""
 
         def write_data(self, plan: Any, planner: Any) -> Any:
-            from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
-            from torch.distributed.checkpoint.planner import WriteItemType
-            from torch.distributed.checkpoint.storage import WriteResult
-
             results: list[Any] = []
             prefix = plan.storage_data.prefix
             with target.folder() as folder:
                 for i, items in enumerate(dcp_groups(plan.items, BATCH_BYTES)):
                     fetch.plan([[slots[id(obj)] for obj in (planner.lookup_object(item.index) for item in items)
                                  if id(obj) in slots]])
-                    name = f"{prefix}{i}{DEFAULT_SUFFIX}"
-                    handle = folder.create(name)
-                    try:
-                        parts: list[Any] = []
-                        pos = 0
-                        for item in items:
-                            data = planner.resolve_data(item)
-                            if item.type == WriteItemType.BYTE_IO:
-                                pieces = [data.getbuffer()]
-                            else:
-                                t = data.detach().cpu().contiguous()
-                                before, after = torch_save_frame(t.dtype, tuple(t.shape))
-                                pieces = [memoryview(before), tensor_bytes(t), memoryview(after)]
-                            n = sum(len(x) for x in pieces)
-                            results.append(WriteResult(index=item.index, size_in_bytes=n,
-                                                       storage_data=_StorageInfo(name, pos, n)))
-                            parts.extend(x for x in pieces if len(x))
-                            pos += n
-                            del data
-                        handle.write(parts, 0)
-                        del parts
-                        handle.finish(True)
-                    except BaseException:
-                        handle.abort()
-                        raise
+                    results.extend(_dcp_file(folder, f"{prefix}{i}.distcp", items, planner))
             done: Future = Future()
             done.set_result(results)
             return done
