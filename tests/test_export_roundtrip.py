@@ -278,3 +278,32 @@ def test_sparse_file_keeps_what_was_written():
         for start, piece in ours.pieces():  # in order, apart, each what was written there
             assert start > end and bytes(piece) == want[start: start + len(piece)]
             end = start + len(piece)
+
+
+@pytest.mark.parametrize("to", ["torch", "safetensors", "hf"])
+def test_small_tensors_are_written_in_few_vectored_writes(tmp_path, monkeypatch, to):
+    """Adjacent tensors (and the header, or the torch zip's records between them) go out in
+    one vectored write per run, not one write per tensor."""
+    from shardsafe.storage.local import LocalWriteHandle
+
+    calls: list[int] = []
+    real = LocalWriteHandle.write
+
+    def spy(self, buffers, offset):
+        calls.append(len(buffers))
+        return real(self, buffers, offset)
+
+    shardsafe.save({"model": {f"t{i}": torch.full((16,), float(i)) for i in range(300)}}, tmp_path / "ck")
+    monkeypatch.setattr(LocalWriteHandle, "write", spy)
+    out = tmp_path / f"o{SUFFIX[to]}"
+    export_checkpoint(tmp_path / "ck", out, to)
+    monkeypatch.undo()
+    assert len(calls) <= 2 and sum(calls) >= 300, calls  # the data file(s) only: hf's index and config apart
+    full = shardsafe.load_full(tmp_path / "ck")
+    if to == "torch":
+        assert_bitwise(full, torch.load(out, weights_only=True), "torch export", dict_types=True)
+    else:
+        from safetensors.torch import load_file
+
+        got = load_file(out) if to == "safetensors" else load_file(next(out.glob("*.safetensors")))
+        assert_bitwise(flat_tensors(full), got, f"{to} export")

@@ -43,52 +43,91 @@ class Slot:
         return n * itemsize(self.dtype)
 
 
-def _write_tensor(handle: WriteHandle, offset: int, tensor: torch.Tensor) -> None:
-    if tensor.numel():
-        handle.write([tensor_bytes(tensor.contiguous())], offset)
+FLUSH_BYTES = 8 << 20
+"""Tensor bytes an output file gathers before writing them (tensors are written whole, so a
+larger tensor is written at once): runs of adjacent tensors and fixed bytes (headers,
+the torch zip's records) become one vectored write each, not one write per tensor."""
 
 
 class OutputFile:
-    """An output file being written; ``close`` makes it durable, ``abort`` removes it."""
+    """An output file being written; ``close`` makes it durable, ``abort`` removes it.
+
+    ``write`` gathers up to ``FLUSH_BYTES`` of tensors (holding them), then writes them with
+    the fixed bytes that lie before them, each run of adjacent buffers in one ``pwritev``."""
 
     handle: WriteHandle | None = None
     offsets: dict[str, int]
 
+    def _start(self, folder: Folder, name: str, fixed: list[tuple[int, Any]]) -> None:
+        """Create the file; ``fixed``: (offset, bytes) written along with the tensors."""
+        self._fixed = sorted(fixed, key=lambda p: p[0])
+        self._next_fixed = 0
+        self._pending: list[tuple[int, memoryview]] = []
+        self._pending_bytes = 0
+        self.handle = folder.create(name)
+
     def write(self, slot: Slot, tensor: torch.Tensor) -> None:
         """Put ``tensor`` (of ``slot``'s dtype and shape) in its place."""
-        assert self.handle is not None
-        _write_tensor(self.handle, self.offsets[self._key(slot)], tensor)
+        self._queue([self.offsets[slot.name]], tensor)
 
-    def _key(self, slot: Slot) -> str:
-        return slot.name
+    def _queue(self, offsets: list[int], tensor: torch.Tensor) -> None:
+        assert self.handle is not None
+        if not tensor.numel():
+            return
+        view = tensor_bytes(tensor.contiguous())
+        for offset in offsets:
+            self._pending.append((offset, view))
+            self._pending_bytes += len(view)
+        if self._pending_bytes >= FLUSH_BYTES:
+            self._flush()
+
+    def _flush(self, final: bool = False) -> None:
+        """Write what is pending, with the fixed bytes before its end (all of them if ``final``)."""
+        assert self.handle is not None
+        items = self._pending
+        self._pending, self._pending_bytes = [], 0
+        limit = max((o + len(v) for o, v in items), default=0)
+        while self._next_fixed < len(self._fixed) and (final or self._fixed[self._next_fixed][0] < limit):
+            offset, data = self._fixed[self._next_fixed]
+            items.append((offset, memoryview(data)))
+            self._next_fixed += 1
+        items.sort(key=lambda p: p[0])
+        i = 0
+        while i < len(items):
+            start, first = items[i]
+            run, end = [first], start + len(first)
+            i += 1
+            while i < len(items) and items[i][0] == end:
+                run.append(items[i][1])
+                end += len(items[i][1])
+                i += 1
+            self.handle.write(run, start)
 
     def close(self) -> None:
-        """Make the file durable and close it."""
+        """Write what is left, make the file durable and close it."""
         if self.handle is not None:
+            self._flush(final=True)
             h, self.handle = self.handle, None
             h.finish(True)
 
     def abort(self) -> None:
         """Remove the unfinished file."""
+        self._pending = []
         if self.handle is not None:
             h, self.handle = self.handle, None
             h.abort()
 
 
 class SafetensorsOutput(OutputFile):
-    """A safetensors file whose header is written at once; tensors then go to their places."""
+    """A safetensors file: its header (every name, dtype and shape, known up front) and
+    then each tensor at its place."""
 
     def __init__(self, folder: Folder, name: str, slots: list[Slot], metadata: dict[str, str] | None = None) -> None:
         entries = [ChunkEntry(s.name, safetensors_code(s.dtype), tuple(s.shape), s.nbytes) for s in slots]
         header, ranges = build_header(entries, dict(metadata or {"format": "pt"}))
         self.offsets = {s.name: start for s, (start, _) in zip(slots, ranges)}
         self.size = ranges[-1][1] if ranges else len(header)
-        self.handle = folder.create(name)
-        try:
-            self.handle.write([memoryview(header)], 0)
-        except BaseException:
-            self.abort()
-            raise
+        self._start(folder, name, [(0, header)])
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -261,19 +300,11 @@ class TorchSaveOutput(OutputFile):
         self.offsets_of: dict[str, list[int]] = {}
         for slot, offset in placed:
             self.offsets_of.setdefault(slot.key, []).append(offset)
-        self.handle = folder.create(name)
-        try:
-            for offset, piece in buf.pieces():
-                self.handle.write([memoryview(piece)], offset)
-        except BaseException:
-            self.abort()
-            raise
+        self._start(folder, name, buf.pieces())
 
     def write(self, slot: Slot, tensor: torch.Tensor) -> None:
         """Put ``tensor`` at every place the skeleton holds tensor ``slot.key``."""
-        assert self.handle is not None
-        for offset in self.offsets_of[slot.key]:
-            _write_tensor(self.handle, offset, tensor)
+        self._queue(self.offsets_of[slot.key], tensor)
 
 
 def _slots(skeleton: Any) -> Iterator[Slot]:
