@@ -35,7 +35,7 @@ class Slot:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         n = 1
         for s in self.shape:
@@ -329,6 +329,7 @@ class SparseFile(io.RawIOBase):
         self._data: list[bytearray] = []
         self._pos = 0
         self._end = 0
+        self._last_end = -1  # where the last piece ends
 
     def readable(self) -> bool:
         return True
@@ -352,14 +353,17 @@ class SparseFile(io.RawIOBase):
         return self._pos
 
     def write(self, data) -> int:  # noqa: ANN001 - bytes-like
-        b = memoryview(data).cast("B")
+        b = data if type(data) is bytes else memoryview(data).cast("B")
         n = len(b)
         if not n:
             return 0
         lo, hi = self._pos, self._pos + n
-        if self._starts and self._starts[-1] + len(self._data[-1]) == lo:
+        if lo == self._last_end and self._starts:
             self._data[-1] += b  # the usual case: a write that continues the last piece
-        elif not self._starts or self._starts[-1] + len(self._data[-1]) < lo:
+            self._pos = self._last_end = hi
+            self._end = max(self._end, hi)
+            return n
+        if not self._starts or self._last_end < lo:
             self._starts.append(lo)
             self._data.append(bytearray(b))
         else:  # overwrites or fills a gap: merge with every piece it touches
@@ -375,6 +379,7 @@ class SparseFile(io.RawIOBase):
             merged[lo - start: hi - start] = b
             self._starts[i:j] = [start]
             self._data[i:j] = [merged]
+        self._last_end = self._starts[-1] + len(self._data[-1])
         self._pos = hi
         self._end = max(self._end, hi)
         return n
