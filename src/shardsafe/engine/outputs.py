@@ -1,8 +1,11 @@
 """Output files written tensor by tensor through the storage seam: a safetensors file
 (header first: every name, dtype and shape is known up front) and a ``torch.save`` file
-(a skeleton made with ``torch.serialization.skip_data`` in memory, whose storage bytes are
+(a skeleton written by ``torch.save`` under ``torch.serialization.skip_data`` in memory,
+tensors replaced by stand-ins that pickle as torch pickles them; their storage bytes are
 then filled in place). Both place each tensor at a byte offset known before its data is
-read, so a tensor can be written and dropped before the next one is read.
+read, so a tensor can be written and dropped before the next one is read; adjacent writes
+are gathered (up to ``FLUSH_BYTES``) into one vectored write. ``torch_save_frame`` gives the
+bytes around one tensor's data in its own ``torch.save`` file (``export --to dcp``).
 """
 
 from __future__ import annotations
