@@ -2,6 +2,7 @@
 peak memory should stay near the largest tensor plus a buffer, not the checkpoint size.
 
     .venv/bin/python benchmarks/bench_export.py [--tensors 24] [--mib 32] [--reps 3] [--dir DIR] [--out FILE]
+    .venv/bin/python benchmarks/bench_export.py --small [--reps 5] [--small-tensors 8000] [--small-numel 256]
 
 Method
   * A checkpoint of N float32 tensors of M MiB each (default 24 x 32 MiB = 768 MiB; the
@@ -13,15 +14,23 @@ Method
     (/proc/self/clear_refs) just before exporting and reports VmHWM afterwards, a
     cross-check that cannot miss a short spike.
   * Contenders: shardsafe export to hf (--max-shard-size 200MB), hf with --dtype
-    bfloat16, one safetensors file, one torch.save file; and the naive way, load_full
+    bfloat16, one safetensors file, one torch.save file, a DCP folder; and the naive way, load_full
     + safetensors.torch.save_file (+ fsync), which holds the whole model.
   * Bound: largest tensor + 64 MiB (the reader's 16 MiB staging buffer, allocator and
-    thread slack; with --dtype the converted copy of the largest tensor is added). The
-    torch format also pays a fixed ~31 MiB, independent of the model size, the first
-    time torch's FakeTensorMode machinery (used to lay out the file) is initialized.
+    thread slack; with --dtype the converted copy of the largest tensor is added). Small
+    tensors are read in batches of at most 16 MiB, within that slack.
   * Throughput: decimal GB/s of exported source bytes, median over --reps runs
     (each includes reading with checksum verification and an fsync of the output).
     The page cache is warm (the checkpoint was just written or read).
+
+Many small tensors (``--small``; issue 22 section 4)
+  * A checkpoint of 8,000 float32 tensors of 256 elements (``--small-tensors``,
+    ``--small-numel``) is saved once. In one process, each of ``--reps`` repetitions (at
+    least 5, after one unmeasured warm-up of each) times ``shardsafe.load_full`` and an
+    export to each of torch, safetensors, hf and dcp (each output deleted after its run),
+    in an order rotated by one every repetition, so every contender meets the same machine
+    noise. Each export's time is divided by the same repetition's load_full time; the
+    median of those per-repetition ratios is reported against the target (<= 2x).
 """
 
 from __future__ import annotations
@@ -42,7 +51,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 SLACK = 64 * MIB
-CONTENDERS = ["hf", "hf-bf16", "safetensors", "torch", "naive"]
+CONTENDERS = ["hf", "hf-bf16", "safetensors", "torch", "dcp", "naive"]
+SMALL_TARGETS = ["torch", "safetensors", "hf", "dcp"]
+SMALL_BOUND = 2.0  # each export <= 2x load_full of the same checkpoint
 
 
 # --------------------------------------------------------------------------------------------- child
@@ -92,7 +103,7 @@ def child(method: str, ckpt: str, out: str) -> None:
         os.close(fd)
         nbytes = sum(t.numel() * t.element_size() for t in flat.values())
     else:
-        to = {"hf": "hf", "hf-bf16": "hf", "safetensors": "safetensors", "torch": "torch"}[method]
+        to = {"hf": "hf", "hf-bf16": "hf", "safetensors": "safetensors", "torch": "torch", "dcp": "dcp"}[method]
         report = export_checkpoint(ckpt, out, to, max_shard_size="200MB", progress=False,
                                    dtype="bfloat16" if method == "hf-bf16" else None)
         nbytes = report.bytes  # bytes written (half the source with --dtype bfloat16)
@@ -170,6 +181,78 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line, sep, *body])
 
 
+def small(args: argparse.Namespace) -> None:
+    """Many small tensors: each export target's time over load_full's, interleaved."""
+    import gc
+
+    import torch
+
+    import shardsafe
+    from shardsafe.tools import export_checkpoint
+
+    reps = max(5, args.reps)
+    work = Path(tempfile.mkdtemp(prefix="shardsafe-bench-export-small-", dir=args.dir))
+    try:
+        ckpt = work / "ckpt"
+        g = torch.Generator().manual_seed(0)
+        state = {"model": {f"layers.{i}.weight": torch.randn(args.small_numel, generator=g)
+                           for i in range(args.small_tensors)}}
+        shardsafe.save(state, ckpt)
+        del state
+        total = args.small_tensors * args.small_numel * 4
+        print(f"checkpoint: {args.small_tensors} tensors x {args.small_numel} float32 = {total / MIB:.1f} MiB; "
+              f"{reps} repetitions (+1 warm-up), order rotated each repetition", flush=True)
+        contenders = ["load_full", *SMALL_TARGETS]
+
+        def run(name: str) -> float:
+            out = work / f"out-{name}"
+            gc.collect()
+            t0 = time.perf_counter()
+            if name == "load_full":
+                value = shardsafe.load_full(ckpt)
+                seconds = time.perf_counter() - t0
+                del value
+            else:
+                export_checkpoint(ckpt, out, name, progress=False)
+                seconds = time.perf_counter() - t0
+                shutil.rmtree(out) if out.is_dir() else out.unlink()
+            return seconds
+
+        for name in contenders:  # warm-up: imports, first-use costs, page cache
+            run(name)
+        times: dict[str, list[float]] = {n: [] for n in contenders}
+        for rep in range(reps):
+            k = rep % len(contenders)
+            for name in contenders[k:] + contenders[:k]:
+                times[name].append(run(name))
+            print(f"  rep {rep + 1}: " + "  ".join(f"{n} {times[n][-1]:.3f}s" for n in contenders), flush=True)
+        rows, summary = [], []
+        for name in SMALL_TARGETS:
+            ratios = [t / lf for t, lf in zip(times[name], times["load_full"])]
+            ratio = statistics.median(ratios)
+            sec = statistics.median(times[name])
+            summary.append({"target": name, "seconds_median": sec, "ratio_median": ratio,
+                            "ratio_min": min(ratios), "ratio_max": max(ratios), "within_target": ratio <= SMALL_BOUND})
+            rows.append([name, f"{sec:.3f}", f"{ratio:.2f}", f"{min(ratios):.2f}-{max(ratios):.2f}",
+                         f"{SMALL_BOUND:g}", "yes" if ratio <= SMALL_BOUND else "NO"])
+        print()
+        print(f"export of {args.small_tensors} x {args.small_numel} float32 ({total / MIB:.1f} MiB); load_full median "
+              f"{statistics.median(times['load_full']):.3f} s over {reps} repetitions")
+        print(table(["target", "s (median)", "x load_full (median of ratios)", "ratio range", "target <=",
+                     "within"], rows))
+        result = {"benchmark": "bench_export --small", "created": time.time(),
+                  "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                              "platform": platform.platform(), "torch": torch.__version__},
+                  "config": {"tensors": args.small_tensors, "numel": args.small_numel, "reps": reps},
+                  "summary": summary, "seconds": times}
+        out_path = Path(args.out)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {out_path}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tensors", type=int, default=24)
@@ -177,11 +260,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="runs of the hf export (others run once)")
     ap.add_argument("--interval", type=float, default=0.0015, help="RSS sampling interval in seconds")
     ap.add_argument("--dir", default=None, help="scratch folder (default: a temp folder)")
-    ap.add_argument("--out", default=str(REPO / "bench-out" / "bench_export.json"), help="JSON output")
+    ap.add_argument("--out", default=None, help="JSON output (default bench-out/bench_export[_small].json)")
+    ap.add_argument("--small", action="store_true", help="many small tensors: every export target vs load_full")
+    ap.add_argument("--small-tensors", type=int, default=8000)
+    ap.add_argument("--small-numel", type=int, default=256)
     ap.add_argument("--child", nargs=3, metavar=("METHOD", "CKPT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(*args.child)
+        return
+    if args.out is None:
+        args.out = str(REPO / "bench-out" / ("bench_export_small.json" if args.small else "bench_export.json"))
+    if args.small:
+        small(args)
         return
     work = Path(tempfile.mkdtemp(prefix="shardsafe-bench-export-", dir=args.dir))
     try:
@@ -195,7 +286,7 @@ def main() -> None:
         for method in CONTENDERS:
             reps = args.reps if method == "hf" else 1
             for _ in range(reps):
-                out = work / ("out" + ("" if method in ("hf", "hf-bf16") else ".bin"))
+                out = work / ("out" + ("" if method in ("hf", "hf-bf16", "dcp") else ".bin"))
                 r = measure(method, ckpt, out, args.interval)
                 r["bound"] = largest + SLACK + (largest // 2 if method == "hf-bf16" else 0)
                 runs.append(r)

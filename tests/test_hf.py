@@ -222,7 +222,7 @@ def test_export_to_dcp_loads_back_bitwise_with_dcp(tmp_path, capsys):
     code, text, err = cli("export", tmp_path / "ckpt", tmp_path / "dcp", "--to", "dcp", capsys=capsys)
     assert code == 0, err
     files = sorted(p.name for p in (tmp_path / "dcp").iterdir())
-    assert ".metadata" in files and sum(f.endswith(".distcp") for f in files) >= 5  # one file per tensor
+    assert ".metadata" in files and sum(f.endswith(".distcp") for f in files) == 1  # small tensors: one file
     dest = {"model": {"embed.weight": torch.zeros(16, 8), "layers": [
                 {"w": torch.zeros(8, 8, dtype=torch.bfloat16), "b": torch.zeros(8)}]},
             "optim": {"state": {"embed.weight": {"step": torch.tensor(0.0), "exp_avg": torch.zeros(16, 8)}},

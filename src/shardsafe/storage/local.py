@@ -99,19 +99,20 @@ class LocalWriteHandle(WriteHandle):
         """``pwritev`` every byte of ``buffers`` at ``offset`` (short writes continue)."""
         views = _chunks(buffers)
         pos = offset
-        while views:
+        i = 0  # the first view not wholly written (an index: thousands of buffers stay linear)
+        while i < len(views):
             try:
-                done = os.pwritev(self.fd, views[:_IOV_MAX], pos)
+                done = os.pwritev(self.fd, views[i: i + _IOV_MAX], pos)
             except OSError as exc:
                 raise storage_error(exc, "write", self.where) from exc
             if done <= 0:
                 raise StorageError(f"cannot write {self.where}: no progress", errno.EIO, self.where)
             pos += done
-            while views and done >= len(views[0]):
-                done -= len(views[0])
-                views.pop(0)
+            while i < len(views) and done >= len(views[i]):
+                done -= len(views[i])
+                i += 1
             if done:
-                views[0] = views[0][done:]
+                views[i] = views[i][done:]
 
     def finish(self, durable: bool = True) -> None:
         """fsync (with ``durable``) and close."""
