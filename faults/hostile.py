@@ -547,6 +547,9 @@ def cases() -> list[Case]:  # noqa: PLR0915 - one long, flat list
            mismatch_ok=True))
     add(_s("index: rank false", _rules_case(index_edit=lambda raw: raw.replace(b'"rank":0,', b'"rank":false,', 1)),
            mismatch_ok=True))
+    # -- bound arithmetic (issue 22: an int64 sum of block counts wrapped to 0 and an empty digest string passed)
+    add(_s("blocks: 8 tensors of 2^61 bytes at checksum_block 1 (2^64 blocks, 0 mod 2^64), no digests",
+           _wrapping_blocks, mismatch_ok=True))
     return out
 
 
@@ -597,6 +600,39 @@ def _rules_case(**craft: Any) -> Callable[[Ckpt], set[str]]:
             (ck.work / name).unlink()
         return old | craft_rules(ck.work, **craft)
     return make
+
+
+def _wrapping_blocks(ck: Ckpt) -> set[str]:
+    """The working copy replaced by a format-3.1 checkpoint of eight uint8 tensors of 2^61
+    elements, one chunk each (every value under the documented 2^62), with
+    ``checksum_block`` 1: the chunks claim 2^64 checksum blocks, which an int64 sum wraps to
+    0, and the index lists none (an empty ``x``). Manifest and index are sealed, so only the
+    bound can refuse it."""
+    import torch
+
+    import shardsafe
+
+    old = set(os.listdir(ck.work))
+    for name in old:
+        (ck.work / name).unlink()
+    shardsafe.save({"t": torch.arange(16, dtype=torch.uint8)}, ck.work)
+    n, size = 8, 1 << 61
+    index = json.loads((ck.work / INDEX0).read_bytes())
+    start = index["chunks"]["b"][0]
+    index["chunks"] = {"t": list(range(n)), "o": [0] * n, "n": [size] * n, "b": [start, start + size] * n, "x": "",
+                       "h": "0" * 32 * n}
+    raw = dumps(index).encode()
+    (ck.work / INDEX0).write_bytes(raw)
+    b = json.loads((ck.work / MANIFEST).read_bytes())
+    b.pop("manifest_xxh3_64")
+    b["extra"]["checksum_block"] = 1
+    b["tensors"] = {f"t{i}": {"dtype": "uint8", "shape": [size], "kind": "replicated", "chunks": [i, 1]}
+                    for i in range(n)}
+    b["tree"] = {f"t{i}": {"$tensor": f"t{i}"} for i in range(n)}
+    b["chunks"] = {"o": [0] * n, "n": [size] * n, "f": [0] * n}
+    b["files"].update(bytes=[start + size], index_bytes=[len(raw)], index_x=checksum(raw))
+    seal(ck, dumps(b))
+    return old | set(os.listdir(ck.work))
 
 
 def _header_bytes(ck: Ckpt, fname: str = DATA0) -> bytes:

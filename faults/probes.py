@@ -306,6 +306,32 @@ def solo(rank: int, world: int, ckpt: str, pristine: str, work: str, error_names
         dest2 = sentinel_tree(template)
         out.append(try_load("load cast_dtype=True", lambda: shardsafe.load(dest2, work, cast_dtype=True), dest2,
                             expected, errors_in_place, rss, compare))
+        out.extend(tool_probes(work, errors_in_place))
+    return out
+
+
+TOOL_TARGETS = ("torch", "safetensors", "dcp")  # hf writes what safetensors does, in shards
+
+
+def tool_probes(work: str, errors: tuple[type[BaseException], ...]) -> list[dict[str, Any]]:
+    """The tools on ``work``, each a probe: ``inspect``, ``diff`` of it with itself (every
+    tensor read on both sides) and ``export`` to each of :data:`TOOL_TARGETS` (into a temporary folder,
+    deleted after). A tool must refuse a hostile checkpoint with a CheckpointError naming
+    the cause, never a plain Python error; what they return is not compared (a load probe
+    does that)."""
+    import tempfile
+    import warnings
+
+    from shardsafe.tools import diff_checkpoints, export_checkpoint, inspect_checkpoint
+
+    out = [try_load("inspect", lambda: inspect_checkpoint(work), None, None, errors, compare=False),
+           try_load("diff", lambda: diff_checkpoints(work, work), None, None, errors, compare=False)]
+    with tempfile.TemporaryDirectory(prefix="shardsafe-faults-export-") as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's own warnings about a process-group-free save
+        for to in TOOL_TARGETS:
+            target = f"{tmp}/out-{to}"
+            out.append(try_load(f"export {to}", lambda t=to, o=target: export_checkpoint(work, o, t), None, None,
+                                errors, compare=False))
     return out
 
 

@@ -27,6 +27,9 @@ HOSTILE_SAMPLE = [
     "file name: parent escape", "special file: data file is a fifo", "special file: manifest is a symlink",
     "version: 4.0", "trailer: a second trailer after it", "header: length prefix 2^63",
     "header: dtype code differs", "members: unknown top-level member (accepted)",
+    # issue 22's classes: bound arithmetic in Python ints, one typed-value decoder for every reader
+    "blocks: 8 tensors of 2^61 bytes at checksum_block 1 (2^64 blocks, 0 mod 2^64), no digests",
+    "tags: $tuple not a list", "tags: $dict duplicate keys", "index: rank false",
 ]
 
 

@@ -60,6 +60,8 @@ def test_no_file_access_outside_storage():
             if FORBIDDEN.search(code) and '"""' not in code and "``" not in code:
                 if (path.name == "manager.py" and 'open(path, "rb")' in code) or "os.devnull" in code:
                     continue  # CheckpointConfig.from_toml reads a config file; the CLI silences stdout
+                if path.name == "exit_settle.py" and "{TASKS}/" in code:
+                    continue  # this process's own thread states in /proc (issue 28), no checkpoint file
                 hits.append(f"{path.relative_to(SRC)}:{no}: {line.strip()}")
     assert not hits, "\n".join(hits)
 
@@ -72,7 +74,7 @@ LAYERS = [
     {"plan"},
     {"engine"},
     {"state", "data"},
-    {"comm"},
+    {"comm", "exit_settle"},
     {"saving", "loading", "incremental", "checkpointer", "api", "hf_folder"},
     {"manager"},
     {"tools"},

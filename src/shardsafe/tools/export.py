@@ -339,6 +339,10 @@ class _Job:
                 tree = select(tree, wanted) if wanted else {}
             except CheckpointError as exc:
                 raise UsageError(f"--keys: {exc} at {self.path} (see `shardsafe inspect`)") from None
+        # Every index is read, verified and parsed before any output is laid out: a hostile
+        # index (say chunks claiming 2^64 checksum blocks) is a CorruptCheckpointError here,
+        # never a failure of the output's writer on absurd sizes.
+        manifest.load_indexes(range(len(manifest.files)))
         built = _Built()
         built.skeleton = _build(tree, [], manifest, dtype, built)
         report = ExportReport(str(self.out), self.to)
