@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from typing import Any
 
 import torch
@@ -124,7 +125,7 @@ def train_loop(config: dict[str, Any]) -> None:
     def log(entry: dict[str, Any]) -> None:
         if rank == 0:
             with open(config["log"], "a") as f:
-                f.write(json.dumps({"run": config["name"], "pid": os.getpid(), **entry}) + "\n")
+                f.write(json.dumps({"run": config["name"], "pid": os.getpid(), "t": time.time(), **entry}) + "\n")
 
     def dump(kind: str, step: int) -> None:
         full = full_state(parts)
@@ -132,11 +133,11 @@ def train_loop(config: dict[str, Any]) -> None:
             torch.save(full, os.path.join(config["dumps"], f"{config['name']}-{kind}-{step}.pt"))
 
     parts = build(config, init_seed=1)
-    restored = ss_ray.restore(parts["tree"], storage_options=so)
+    restored = ss_ray.restore(parts["tree"], checkpoint=config.get("resume_from"), storage_options=so)
     entry: dict[str, Any] = {"event": "start", "world": world, "restored": restored}
     if restored is not None:
         # the same checkpoint through a plain shardsafe.load into fresh objects: must be bitwise the same
-        location, step = ss_ray.checkpoint_location(ray_checkpoint())
+        location, step = ss_ray.checkpoint_location(ray_checkpoint() or config["resume_from"])
         fresh = build(config, init_seed=2)
         shardsafe.load(fresh["tree"], location, storage_options=so)
         diff = first_difference(local_state(parts), local_state(fresh))

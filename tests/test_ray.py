@@ -4,20 +4,23 @@ One cluster for the module (``ray.init(num_cpus=4, include_dashboard=False)``), 
 the end with every process it started checked gone. Each test runs ``TorchTrainer`` with the
 FSDP2 loop of tests/ray_cases.py and checks bitwise outcomes:
 
-- an uninterrupted 2-worker run (incremental saves, ``num_to_keep=2`` by a score) is the
-  reference: Ray's kept checkpoints are exactly shardsafe's, every one verifies and loads
-  bitwise equal to the state saved, and the dropped ones that kept ones refer to are retired;
-- 2 -> 4 workers (local storage) and 2 -> 1 (moto S3): the run is started again with the
-  same name and another worker count, restores from ``ray.train.get_checkpoint()``; the
-  state restored is bitwise the state saved and a plain ``shardsafe.load``, the global sample
-  order continues exactly, the losses as in the uninterrupted run (to float rounding: the
-  reduction order differs on another worker count);
+- an uninterrupted 2-worker run with its storage on the moto S3 server (incremental saves,
+  ``num_to_keep=2`` by a score) is the reference: Ray's kept checkpoints are exactly
+  shardsafe's, every one verifies and loads bitwise equal to the state saved, and a dropped
+  one that kept ones refer to is retired;
+- 2 -> 4 and 2 -> 1 workers: new runs restore step 4 of the reference run
+  (``restore(checkpoint=...)``, Ray 2.x's replacement of ``resume_from_checkpoint``) and
+  save to local storage (sync on 4 workers, async on 1). The state restored is bitwise the
+  state saved and a plain ``shardsafe.load``, the global sample order continues exactly, the
+  losses as in the uninterrupted run (to float rounding: the reduction order differs on
+  another worker count);
 - SIGKILL of one worker while a step is saved (async saves, ``max_failures=1``): the
   restarted group resumes from the last committed step and its losses are bitwise those of
   the uninterrupted run.
 
-``SHARDSAFE_RAY_FULL=1`` adds the variants left out of the default run (2 -> 4 on S3,
-2 -> 1 on local storage, sync saves for the kill, async for the resumes).
+``SHARDSAFE_RAY_FULL=1`` adds the variants left out of the default run: the same run
+started again under its name on 1 and 4 workers (``get_checkpoint()`` on another worker
+count), and the kill with sync saves.
 """
 
 from __future__ import annotations
@@ -121,8 +124,8 @@ def reported_steps(result: Any) -> list[int]:
 
 def data_steps(folder: str, options: dict[str, Any] | None = None) -> list[int]:
     """Committed shardsafe steps in a run's data folder."""
-    with shardsafe.CheckpointManager(folder, checkpointer=shardsafe.Checkpointer(storage_options=options),
-                                     load_only=True) as mgr:
+    with shardsafe.Checkpointer(storage_options=options) as cp, \
+            shardsafe.CheckpointManager(folder, checkpointer=cp, load_only=True) as mgr:
         return mgr.steps()
 
 
@@ -157,106 +160,115 @@ def assert_continues(entries: list[dict[str, Any]], reference: dict[int, tuple[s
 # ----------------------------------------------------------------------------- the reference run
 
 
+def _s3_fs(server: Any, bucket: str) -> tuple[Any, str, dict[str, Any]]:
+    """Ray's pyarrow filesystem for the moto server, the storage path, shardsafe's options."""
+    import pyarrow.fs
+
+    from s3_server import KEY, REGION
+
+    fs = pyarrow.fs.S3FileSystem(access_key=KEY, secret_key=KEY, region=REGION, scheme="http",
+                                 endpoint_override=server.endpoint.removeprefix("http://"))
+    options = {"endpoint": server.endpoint, "key": KEY, "secret": KEY, "region": REGION, "retry_backoff": 0.01,
+               "max_backoff": 0.2}
+    return fs, f"{bucket}/runs", options
+
+
 @pytest.fixture(scope="module")
-def reference(cluster, tmp_path_factory):
-    """The uninterrupted 2-worker run: saves at steps 2, 4, 6, 8 (incremental), Ray keeps
-    2 by the lowest ``score`` (4 and 8: steps 2 and 6 are dropped)."""
+def reference(cluster, s3_server, tmp_path_factory):
+    """The uninterrupted 2-worker run, its storage on the moto S3 server: saves at steps 2,
+    4, 6, 8 (incremental), Ray keeps 2 by the lowest ``score`` (4 and 8; 2 and 6 dropped)."""
     tmp = tmp_path_factory.mktemp("ray-ref")
+    bucket = s3_server.new_bucket()
+    fs, storage, options = _s3_fs(s3_server, bucket)
     scores = {"2": 3.0, "4": 1.0, "6": 4.0, "8": 2.0}
-    result = fit("reference", str(tmp / "storage"), 2, tmp, interval=2, incremental=True, scores=scores,
+    result = fit("reference", storage, 2, tmp, fs=fs, interval=2, incremental=True, scores=scores,
+                 storage_options=options,
                  checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="score",
                                                     checkpoint_score_order="min"))
     entries = ray_cases.read_log(str(tmp / "log.jsonl"), "reference")
-    return {"tmp": tmp, "result": result, "entries": entries, "losses": ray_cases.losses(entries),
-            "folder": str(tmp / "storage" / "reference" / ss_ray.DATA_FOLDER)}
+    yield {"tmp": tmp, "result": result, "entries": entries, "losses": ray_cases.losses(entries),
+           "server": s3_server, "bucket": bucket, "options": options,
+           "folder": f"s3://{bucket}/runs/reference/{ss_ray.DATA_FOLDER}"}
+    s3_server.drop_bucket(bucket)
 
 
-def test_retention_follows_ray_incremental(reference) -> None:
-    tmp, result, folder = reference["tmp"], reference["result"], reference["folder"]
+def test_retention_follows_ray_incremental_s3(reference) -> None:
+    tmp, result, folder, options = reference["tmp"], reference["result"], reference["folder"], reference["options"]
+    server, bucket = reference["server"], reference["bucket"]
     assert result.error is None
     assert sorted(reference["losses"]) == list(range(1, STEPS + 1))
     # Ray kept the two best scores; shardsafe's committed steps are exactly those
     assert reported_steps(result) == [4, 8]
-    assert data_steps(folder) == [4, 8]
+    assert data_steps(folder, options) == [4, 8]
     assert ss_ray.checkpoint_location(result.checkpoint) == (f"{folder}/step-00000008", 8)
+    keys = server.keys(bucket, "runs/reference/")
     # Ray deleted its pointer folders of steps 2 and 6 (it never saw the data)
-    experiment = tmp / "storage" / "reference"
-    assert sorted(p.name for p in experiment.glob("checkpoint_0*")) == ["checkpoint_00000004", "checkpoint_00000008"]
+    assert sorted({k.split("/")[2] for k in keys if k.startswith("runs/reference/checkpoint_0")}) == [
+        "checkpoint_00000004", "checkpoint_00000008"]
     refs: set[str] = set()
-    for step in (4, 8):
-        location = f"{folder}/step-{step:08d}"
-        report = verify_checkpoint(location)
-        assert report.ok, report
-        refs |= {r.checkpoint for r in shardsafe.read_manifest(location).refs if r.checkpoint}
-        assert_bitwise(dumped(tmp, "reference", "saved", step)["model"],
-                       shardsafe.load_full(location)["train"]["model"], f"step {step}")
-    # the frozen embedding was written once, at step 2: later saves refer to it, so step 2 is
-    # retired (its referenced data files kept), not deleted; nothing refers to step 6 any more
+    with shardsafe.Checkpointer(storage_options=options) as cp:
+        for step in (4, 8):
+            location = f"{folder}/step-{step:08d}"
+            report = verify_checkpoint(location, checkpointer=cp)
+            assert report.ok, report
+            refs |= {r.checkpoint for r in cp.read_manifest(location).refs if r.checkpoint}
+            saved, loaded = dumped(tmp, "reference", "saved", step), cp.load_full(location)["train"]
+            assert_bitwise(saved["model"], loaded["model"], f"step {step} model")
+            assert_bitwise(saved["optim"]["state"], loaded["optim"]["state"], f"step {step} optimizer")
+    # the frozen embedding was written once, at step 2, and later saves refer to it: step 2 is
+    # retired (its referenced data files kept, its manifest gone), not deleted
     assert "step-00000002" in refs
-    assert (Path(folder) / "step-00000002" / "retired.json").is_file()
-    assert not (Path(folder) / "step-00000002" / "manifest.json").exists()
-    assert not (Path(folder) / "step-00000006").exists() or "step-00000006" in refs
-    assert not [p.name for p in Path(folder).iterdir() if p.name.startswith(".")]
+    step2 = {k.rsplit("/", 1)[1] for k in keys if k.startswith("runs/reference/shardsafe/step-00000002/")}
+    assert "retired.json" in step2 and "manifest.json" not in step2
+    step6 = {k for k in keys if k.startswith("runs/reference/shardsafe/step-00000006/")}
+    assert not step6 or "step-00000006" in refs
+    assert not server.uploads(bucket)
 
 
 # ----------------------------------------------------------------------------- other worker counts
 
 
-def _resume(reference: dict[str, Any], tmp: Path, name: str, storage: str, workers: int, *, fs: Any = None,
-            options: dict[str, Any] | None = None, **config: Any) -> None:
-    """Save step 4 on 2 workers, run the same name again on ``workers`` to step 8."""
-    extra = {"storage_options": options} if options else {}
-    first = fit(name, storage, 2, tmp, fs=fs, steps=4, **extra, **config)
-    assert first.error is None
-    second = fit(name, storage, workers, tmp, fs=fs, **extra, **config)
-    assert second.error is None
+def _check_resumed(reference: dict[str, Any], tmp: Path, saved_run: str, name: str, workers: int, first_world: int,
+                   options: dict[str, Any] | None) -> None:
+    """Run ``name`` restored step 4 of ``saved_run`` on ``workers``: bitwise what was saved
+    and what a plain shardsafe.load gives, then the same samples and losses as the
+    uninterrupted run."""
     entries = ray_cases.read_log(str(tmp / "log.jsonl"), name)
     starts = [e for e in entries if e.get("event") == "start"]
-    assert [(s["world"], s["restored"]) for s in starts] == [(2, None), (workers, 4)]
-    assert starts[1]["plain_load_difference"] == []  # every rank: bitwise what a plain shardsafe.load gives
-    assert_restored_equals_saved(tmp, name, name, 4, starts[1]["location"], options)
+    assert [(s["world"], s["restored"]) for s in starts][-1] == (workers, 4)
+    assert starts[-1]["plain_load_difference"] == []  # every rank: bitwise what a plain shardsafe.load gives
+    assert shardsafe.read_manifest(starts[-1]["location"], storage_options=options).world_size == first_world
+    assert_restored_equals_saved(tmp, saved_run, name, 4, starts[-1]["location"], options)
     assert_continues(entries, reference["losses"], 4, exact=False)
-    assert reported_steps(second) == [4, 8]
 
 
-def test_resume_on_four_workers(reference, tmp_path: Path) -> None:
-    _resume(reference, tmp_path, "grow", str(tmp_path / "storage"), 4)
-    assert data_steps(str(tmp_path / "storage" / "grow" / ss_ray.DATA_FOLDER)) == [4, 8]
+@pytest.mark.parametrize("workers,async_save", [(4, False), (1, True)], ids=["2to4-sync", "2to1-async"])
+def test_new_run_resumes_on_other_worker_count(reference, tmp_path: Path, workers: int, async_save: bool) -> None:
+    """A new run on ``workers`` from step 4 of the reference run on S3 (restore(checkpoint=...):
+    Ray 2.x's replacement of resume_from_checkpoint), saving to local storage."""
+    step4 = next(c for c, m in reference["result"].best_checkpoints if m["step"] == 4)
+    tmp = reference["tmp"]
+    name = f"resume-{workers}"
+    result = fit(name, str(tmp_path / "storage"), workers, tmp, resume_from=step4, async_save=async_save,
+                 storage_options=reference["options"])
+    assert result.error is None
+    _check_resumed(reference, tmp, "reference", name, workers, 2, reference["options"])
+    assert reported_steps(result) == [8]  # this run's own checkpoints: step 4 is the reference run's
+    assert data_steps(str(tmp_path / "storage" / name / ss_ray.DATA_FOLDER)) == [8]
 
 
-def _s3_fs(s3: Any) -> tuple[Any, str, dict[str, Any]]:
-    import pyarrow.fs
-
-    from s3_server import KEY, REGION
-
-    server, bucket, options = s3
-    fs = pyarrow.fs.S3FileSystem(access_key=KEY, secret_key=KEY, region=REGION, scheme="http",
-                                 endpoint_override=server.endpoint.removeprefix("http://"))
-    return fs, f"{bucket}/runs", options
-
-
-def test_resume_on_one_worker_s3(reference, tmp_path: Path, s3) -> None:
-    fs, storage, options = _s3_fs(s3)
-    _resume(reference, tmp_path, "shrink", storage, 1, fs=fs, options=options)
-    server, bucket, _ = s3
-    keys = server.keys(bucket, "runs/shrink/")
-    assert {k.split("/")[3] for k in keys if k.startswith("runs/shrink/shardsafe/")} == {"step-00000004",
-                                                                                         "step-00000008"}
-    assert "runs/shrink/checkpoint_00000004/shardsafe.json" in keys
-    with shardsafe.Checkpointer(storage_options=options) as cp:
-        for step in (4, 8):
-            assert verify_checkpoint(f"s3://{bucket}/runs/shrink/shardsafe/step-{step:08d}", checkpointer=cp).ok
-
-
-@pytest.mark.skipif(not FULL, reason="SHARDSAFE_RAY_FULL=1: 2 -> 1 on local storage, async saves")
-def test_resume_on_one_worker_async(reference, tmp_path: Path) -> None:
-    _resume(reference, tmp_path, "shrink-local", str(tmp_path / "storage"), 1, async_save=True)
-
-
-@pytest.mark.skipif(not FULL, reason="SHARDSAFE_RAY_FULL=1: 2 -> 4 on S3")
-def test_resume_on_four_workers_s3(reference, tmp_path: Path, s3) -> None:
-    fs, storage, options = _s3_fs(s3)
-    _resume(reference, tmp_path, "grow-s3", storage, 4, fs=fs, options=options, incremental=True)
+@pytest.mark.skipif(not FULL, reason="SHARDSAFE_RAY_FULL=1: the same run started again on 1 and 4 workers")
+@pytest.mark.parametrize("workers", [1, 4])
+def test_same_run_resumes_on_other_worker_count(reference, tmp_path: Path, workers: int) -> None:
+    """The run started again under its name on ``workers``: get_checkpoint() -> step 4."""
+    storage = str(tmp_path / "storage")
+    assert fit("local", storage, 2, tmp_path, steps=4).error is None
+    assert fit("local", storage, workers, tmp_path).error is None
+    starts = [(s["world"], s["restored"]) for s in ray_cases.read_log(str(tmp_path / "log.jsonl"), "local")
+              if s.get("event") == "start"]
+    assert starts == [(2, None), (workers, 4)]
+    _check_resumed(reference, tmp_path, "local", "local", workers, 2, None)
+    assert data_steps(str(tmp_path / "storage" / "local" / ss_ray.DATA_FOLDER)) == [4, 8]
 
 
 # ----------------------------------------------------------------------------- a killed worker
