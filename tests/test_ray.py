@@ -60,7 +60,7 @@ RAY_ENV = {
     "RAY_DEDUP_LOGS": "0",
 }
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
 @pytest.fixture(scope="module")
