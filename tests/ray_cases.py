@@ -191,3 +191,21 @@ def read_log(path: str, run: str) -> list[dict[str, Any]]:
 def losses(entries: list[dict[str, Any]]) -> dict[int, tuple[str, list[int]]]:
     """step -> (loss hex, sample ids) of the last attempt that logged the step."""
     return {e["step"]: (e["loss"], e["ids"]) for e in entries if "step" in e and "loss" in e}
+
+
+def pointer_disagreement(rank: int, world: int, root: str) -> str:
+    """Run on a gloo pool: rank 1's Ray checkpoint has no pointer; every rank must raise a
+    CheckpointError naming rank 1 (not wait in the load). Returns the message."""
+    import pyarrow.fs
+    import ray.train
+
+    from shardsafe import CheckpointError
+    from shardsafe.integrations.ray import _agreed_location
+
+    folder = os.path.join(root, "run", "checkpoint_00000003" if rank == 1 else "checkpoint_00000002")
+    ckpt = ray.train.Checkpoint(path=folder, filesystem=pyarrow.fs.LocalFileSystem())
+    try:
+        _agreed_location(ckpt)
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"

@@ -321,3 +321,14 @@ def test_pointer_errors_name_the_file(tmp_path: Path) -> None:
         ss_ray.storage_url(type("GcsFileSystem", (), {"type_name": "gcs"})(), "bucket/x")
     assert ss_ray.storage_url(type("S3", (), {"type_name": "s3"})(), "bucket/x") == "s3://bucket/x"
     assert "ray.train" in sys.modules
+
+
+def test_workers_that_read_no_pointer_are_named(tmp_path: Path, pg_pool) -> None:
+    folder = tmp_path / "run" / "checkpoint_00000002"
+    folder.mkdir(parents=True)
+    (folder / "shardsafe.json").write_text(
+        '{"format": "shardsafe-ray", "version": 1, "step": 2, "checkpoint": "shardsafe/step-00000002"}')
+    messages = pg_pool(2).run(ray_cases.pointer_disagreement, str(tmp_path))
+    for message in messages:  # every rank raised, naming rank 1 and the missing file
+        assert "rank 1: CheckpointError" in message and "has no shardsafe.json" in message, message
+        assert "rank 0" not in message

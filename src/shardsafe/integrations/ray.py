@@ -255,7 +255,7 @@ class RayCheckpointing:
         ckpt = ray.train.get_checkpoint() or checkpoint
         if ckpt is None:
             return None
-        location, step = checkpoint_location(ckpt)
+        location, step = _agreed_location(ckpt)
         self.checkpointer.load(_tree(state), location, strict=strict)
         self.last_step = step
         return step
@@ -275,6 +275,31 @@ class RayCheckpointing:
             if self._manager is not None:
                 self._manager.close()
             self.checkpointer.close()
+
+
+def _agreed_location(checkpoint: Any) -> tuple[str, int]:
+    """:func:`checkpoint_location` on every worker, checked to agree: a worker that cannot
+    read the pointer (storage not shared, say) or reads another one makes every worker
+    raise CheckpointError naming it, instead of the others waiting in the load."""
+    try:
+        mine: tuple[str, int] | str = checkpoint_location(checkpoint)
+        error: CheckpointError | None = None
+    except CheckpointError as exc:
+        mine, error = f"{type(exc).__name__}: {exc}", exc
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return mine  # type: ignore[return-value]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    failed = [f"rank {r}: {v}" for r, v in enumerate(everyone) if isinstance(v, str)]
+    if failed:
+        raise CheckpointError(f"cannot restore {checkpoint.path}: " + "; ".join(failed)) from error
+    others = [r for r, v in enumerate(everyone) if tuple(v) != tuple(everyone[0])]
+    if others:
+        raise CheckpointError(f"the workers read different shardsafe checkpoints behind {checkpoint.path}: rank 0 "
+                              f"{everyone[0]}, " + ", ".join(f"rank {r} {everyone[r]}" for r in others))
+    return mine  # type: ignore[return-value]
 
 
 def _write_pointer(checkpoint: Any, step: int, data_path: str) -> None:
