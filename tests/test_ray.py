@@ -25,6 +25,7 @@ count), and the kill with sync saves.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -63,9 +64,31 @@ RAY_ENV = {
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
+def _descendants(roots: list[Any]) -> list[Any]:
+    """The processes under ``roots`` (psutil), the roots included, that are still running."""
+    import psutil
+
+    out = []
+    for root in roots:
+        try:
+            out += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _running(p: Any) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster on loopback for the module; afterwards no process of it is left."""
+    """A local Ray cluster on loopback for the module; afterwards none of its processes is left."""
     import psutil
 
     saved = {k: os.environ.get(k) for k in [*RAY_ENV, "PYTHONPATH"]}
@@ -74,12 +97,18 @@ def cluster():
     path = [str(TESTS), str(TESTS.parent / "src"), *filter(None, (saved["PYTHONPATH"] or "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(path)
     temp = tempfile.mkdtemp(prefix="ssray")  # short: Ray's socket paths live under it
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = {p.pid for p in psutil.Process().children()}
+    # a Ray process whose GCS is gone retries for gcs_rpc_server_reconnect_timeout_s (60 s by default)
+    # before it exits on its own: 5 s here, so that shutdown leaves nothing behind within the wait below
     ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp, _node_ip_address="127.0.0.1",
-             log_to_driver=bool(os.environ.get("SHARDSAFE_RAY_LOGS")), logging_level="ERROR")
+             log_to_driver=bool(os.environ.get("SHARDSAFE_RAY_LOGS")), logging_level="ERROR",
+             _system_config={"gcs_rpc_server_reconnect_timeout_s": 5})
+    # what ray.init started (GCS, raylet, agents ...); the workers are their children
+    roots = [p for p in psutil.Process().children() if p.pid not in before]
     try:
         yield
     finally:
+        started = _descendants(roots)  # before shutdown: orphaned workers would no longer be found under us
         ray.shutdown()
         for k, v in saved.items():
             if v is None:
@@ -87,17 +116,18 @@ def cluster():
             else:
                 os.environ[k] = v
         deadline = time.monotonic() + 30
-        left = []
+        left = started
         while time.monotonic() < deadline:
-            left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
-                    and p.status() != psutil.STATUS_ZOMBIE]
+            left = [p for p in started if _running(p)]
             if not left:
                 break
             time.sleep(0.2)
-        for p in left:  # only processes this fixture's cluster started
-            p.send_signal(signal.SIGKILL)
+        names = [(p.pid, p.name()) for p in left if _running(p)]
+        for p in left:  # only processes of this fixture's cluster
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
-        assert not left, f"processes left after ray.shutdown(): {[(p.pid, p.name()) for p in left]}"
+        assert not names, f"processes of the Ray cluster left after ray.shutdown(): {names}"
 
 
 def fit(name: str, storage: str, workers: int, tmp: Path, *, fs: Any = None, checkpoint_config: Any = None,
@@ -332,3 +362,24 @@ def test_workers_that_read_no_pointer_are_named(tmp_path: Path, pg_pool) -> None
     for message in messages:  # every rank raised, naming rank 1 and the missing file
         assert "rank 1: CheckpointError" in message and "has no shardsafe.json" in message, message
         assert "rank 0" not in message
+
+
+def test_options_are_fixed_and_steps_increase() -> None:
+    session = ss_ray.RayCheckpointing(storage_options={"region": "us-east-1"})
+    try:
+        session.configure(storage_options={"region": "us-east-1"}, async_save=True, incremental=True)
+        assert session.options["async_save"] and session.options["incremental"]
+        with pytest.raises(ValueError, match="storage_options="):
+            session.configure(storage_options={"region": "eu-west-1"})
+        with pytest.raises(TypeError, match="'asynch'"):
+            session.configure(asynch=True)
+        for bad in (-1, "3", 2.0):
+            with pytest.raises(ValueError, match="non-negative int"):
+                session.report({}, {}, step=bad)
+        session.last_step = 4  # as after restoring step 4
+        with pytest.raises(ValueError, match="step 4 is not after step 4"):
+            session.report({}, {}, step=4)
+    finally:
+        session.close()
+    with pytest.raises(shardsafe.CheckpointError, match="closed"):
+        session.manager  # noqa: B018

@@ -151,14 +151,15 @@ class RayCheckpointing:
         self._closed = False
 
     def configure(self, *, storage_options: dict[str, Any] | None = None, **save_options: Any) -> None:
-        """Check ``storage_options`` against this session's, and set the save options
-        (``async_save``, ``incremental``, ``full_every``) until the first save fixes them;
-        a different value afterwards is a ValueError naming it."""
-        given = {"storage_options": dict(storage_options or {}), **save_options}
+        """Check ``storage_options`` and ``memory_budget`` (when given) against this
+        session's, and set the save options (``async_save``, ``incremental``,
+        ``full_every``) until the first save fixes them; a different value afterwards is a
+        ValueError naming it. None (or an option left out) keeps the session's value."""
+        given = {**({} if storage_options is None else {"storage_options": dict(storage_options)}), **save_options}
         for name, value in given.items():
             if name not in self.options:
                 raise TypeError(f"unknown option {name!r}")
-            fixed = name == "storage_options" or self._manager is not None
+            fixed = name in ("storage_options", "memory_budget") or self._manager is not None
             if fixed and value != self.options[name]:
                 raise ValueError(f"{name}={value!r} differs from {name}={self.options[name]!r} given earlier in this "
                                  "run; pass the same options to every report / restore call of a run")
