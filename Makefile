@@ -16,7 +16,7 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -q tests
 
-# the Ray Train tests alone (a local Ray cluster; about 4 minutes on 2 busy cores); make test runs them too
+# the Ray Train tests alone (a local Ray cluster: about 1 minute on 2 idle cores, 3-4 on busy ones); make test runs them too
 test-ray: install
 	$(PY) -m pytest -q -m ray tests/test_ray.py
 
