@@ -2,19 +2,23 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install test demo bench faults lint clean
+.PHONY: install test test-ray demo bench faults lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev,integrations,s3]' '$(TORCH_PIN)'
+	$(PY) -m pip install --quiet -e '.[dev,integrations,s3,ray]' '$(TORCH_PIN)'
 	touch $@
 
 install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q tests
+
+# the Ray Train tests alone (a local Ray cluster: about 1 minute on 2 idle cores, 3-4 on busy ones); make test runs them too
+test-ray: install
+	$(PY) -m pytest -q -m ray tests/test_ray.py
 
 demo: install
 	$(PY) examples/demo.py

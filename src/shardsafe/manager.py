@@ -468,13 +468,39 @@ class CheckpointManager:
         if cfg.keep_best:
             keep |= set(self.best_steps(steps))
         keep.add(protect)
+        self._drop(names, keep)
+
+    def retain(self, keep: Iterable[int]) -> list[int]:
+        """Delete every committed step checkpoint not in ``keep`` (rank 0 only; the other
+        ranks do nothing), the way the retention policy does: a dropped checkpoint that a
+        kept one refers to is retired (the data files kept checkpoints need stay), never
+        left dangling; the checkpoint last loaded and the save in flight are kept. For an
+        outside policy (e.g. Ray Train's ``CheckpointConfig``) deciding what is kept.
+        Returns the steps dropped, ascending."""
+        if resolve(self.process_group).rank != 0 or not self.config.enable or self.config.load_only:
+            return []
+        try:
+            names = self._listing()
+        except CheckpointError as exc:
+            warn_user(f"retention skipped: {exc}")
+            return []
+        keep = {int(s) for s in keep}
+        if self._pending_step is not None:
+            keep.add(self._pending_step)
+        return self._drop(names, keep)
+
+    def _drop(self, names: dict[int, str], keep: set[int]) -> list[int]:
+        """Delete (or retire, when kept checkpoints refer to them) the steps of ``names``
+        outside ``keep`` and the last loaded step; prune retired folders (rank 0)."""
+        steps = sorted(names)
+        dropped: list[int] = []
         if self._loaded_step is not None:
-            keep.add(self._loaded_step)
+            keep = keep | {self._loaded_step}
         try:
             needed = self._referenced([names[s] for s in steps if s in keep], set(names.values()))
         except CheckpointError as exc:  # unreadable kept manifest: delete nothing this time
             warn_user(f"retention skipped: {exc}")
-            return
+            return dropped
         with self._open() as f:
             for s in steps:
                 if s not in keep:
@@ -489,6 +515,7 @@ class CheckpointManager:
                         continue
                     self._metrics.pop(s, None)
                     self._names.pop(s, None)
+                    dropped.append(s)
             for name in f.names():
                 if parse_step(name) is None or name in names.values():
                     continue
@@ -496,6 +523,7 @@ class CheckpointManager:
                 if kept is not None and (kept != needed.get(name, set()) or not kept):
                     with contextlib.suppress(CheckpointError):
                         prune_retired(f, name, needed.get(name, set()))
+        return dropped
 
     def _referenced(self, kept: list[str], steps: set[str]) -> dict[str, set[str]]:
         """Checkpoint name -> the data files in it that the kept step folders ``kept``, and
