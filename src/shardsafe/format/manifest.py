@@ -202,6 +202,11 @@ class TensorEntry:
         """The chunks at the given (offsets, lengths, file) of this format-3 entry."""
         return self._resolve(boxes)
 
+    def resolve_box(self, offsets: tuple[int, ...], lengths: tuple[int, ...], f: int) -> Chunk:
+        """The chunk at one (offsets, lengths, file) of this format-3 entry."""
+        assert self._owner is not None
+        return self._owner.resolve_one(self._ord, offsets, lengths, f)
+
     def _resolve(self, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> list[Chunk]:
         assert self._owner is not None
         return self._owner.resolve(self._ord, boxes)
@@ -388,6 +393,17 @@ class Manifest:
             chunks = [index.chunk(r) for r in rows]
             self.tensors[key] = TensorEntry(dtype, shape, "rank_local", chunks)
             self._local_keys[(index.file, base + i)] = key
+
+    def resolve_one(self, ordinal: int, offsets: tuple[int, ...], lengths: tuple[int, ...], f: int) -> Chunk:
+        """``resolve(ordinal, [(offsets, lengths, f)])[0]``, for one box of a loaded index."""
+        index = self._indexes.get(f)
+        row = None if index is None else index.row(ordinal, offsets)
+        if row is None:
+            return self.resolve(ordinal, [(offsets, lengths, f)])[0]
+        chunk = index.table.chunk(row)
+        if chunk.lengths != lengths:
+            return self.resolve(ordinal, [(offsets, lengths, f)])[0]  # (raises, naming the tensor)
+        return chunk
 
     def resolve(self, ordinal: int, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> list[Chunk]:
         """The chunks of manifest tensor ``ordinal`` at the given (offsets, lengths, file),

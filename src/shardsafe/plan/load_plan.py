@@ -159,7 +159,12 @@ def _plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int) -> list[
         if 0 in box.lengths:
             continue  # nothing to read (and nothing to cover)
         geom = geoms[index] if geoms is not None else None
-        meeting = entry.resolve_boxes(geom) if geom is not None else entry.chunks_meeting(box.offsets, box.lengths)
+        if geom is None:
+            meeting = entry.chunks_meeting(box.offsets, box.lengths)
+        elif len(geom) == 1:
+            meeting = [entry.resolve_box(*geom[0])]
+        else:
+            meeting = entry.resolve_boxes(geom)
         if len(meeting) == 1:
             chunk = meeting[0]
             if box.offsets == chunk.offsets and box.lengths == chunk.lengths:

@@ -58,6 +58,7 @@ class Fill:
     box: Box
     fresh: bool
     cast: bool = False  # the saved dtype differs and the load converts (cast_dtype=True)
+    lands_direct: bool | None = field(default=None, repr=False)  # ``direct``, when known already
 
     def allocate(self) -> None:
         """Give a fresh tensor its memory (its shape is its box's); no-op otherwise."""
@@ -69,6 +70,8 @@ class Fill:
         """True when bytes can land straight in the tensor's memory (dense CPU, no lazy view)."""
         if self.fresh:
             return True
+        if self.lands_direct is not None:
+            return self.lands_direct
         if self.cast:
             return False  # saved bytes go through staging, then copy_ converts them
         t = self.tensor
@@ -338,19 +341,26 @@ class Matcher:
                 f"key '{_spelt(path)}': saved dtype {entry.dtype}, destination dtype {expected} (pass cast_dtype=True "
                 "to convert on load)"))
             return
-        if views is None:
-            views = [(dest.detach(), Box.whole(global_shape))]
+        if views is None:  # a plain tensor: its checks and whether bytes land in it directly, at once
+            local = dest.detach() if dest.requires_grad else dest  # (without autograd history: the same)
+            contiguous = local.is_contiguous()  # (no internal overlap then)
+            if not contiguous and local.numel() > 1 and torch._debug_has_internal_overlap(local) == 1:
+                self.result.errors.append(_overlap_error(path))
+                return
+            direct = not cast and contiguous and local.is_cpu and not local.is_conj() and not local.is_neg()
+            self.result.fills.append(Fill(key, local, Box.whole(global_shape), False, cast, direct))
+            return
         for local, _ in views:
             if local.numel() > 1 and torch._debug_has_internal_overlap(local) == 1:
-                self.result.errors.append(
-                    CheckpointError(
-                        f"key '{_spelt(path)}': the destination tensor has overlapping memory (an expand()ed view?); "
-                        "load into a tensor whose elements are distinct"
-                    )
-                )
+                self.result.errors.append(_overlap_error(path))
                 return
         for local, box in views:
             self.result.fills.append(Fill(key, local, box, fresh=False, cast=cast))
+
+
+def _overlap_error(path: str | tuple[list[str], Any]) -> CheckpointError:
+    return CheckpointError(f"key '{_spelt(path)}': the destination tensor has overlapping memory (an expand()ed "
+                           "view?); load into a tensor whose elements are distinct")
 
 
 def _spelt(path: str | tuple[list[str], Any]) -> str:
