@@ -229,3 +229,15 @@ def test_manifest_checksum_still_guards_the_batched_pass(many):
     (path / MANIFEST_NAME).write_bytes(head + TRAILER + checksum(head).encode() + b'"}\n')
     with pytest.raises(CorruptCheckpointError, match="is not inside shape"):
         shardsafe.read_manifest(path)
+
+
+def test_borrowed_sources_of_every_layout_save_bitwise(tmp_path):
+    # The writer borrows dense CPU sources through their memory address (no numpy view):
+    # offsets into a bigger storage, one-element strides, empty tensors, bool and complex.
+    base = torch.arange(40.0)
+    state = {"offset": base[7:19], "strided_one": torch.arange(8.0)[::8], "empty": torch.zeros(0, 5),
+             "bool": torch.tensor([True, False, True]), "complex": torch.randn(3, dtype=torch.complex64),
+             "conj": torch.randn(4, dtype=torch.complex64).conj(), "rows": base.view(8, 5)[2:6],
+             "scalar": torch.tensor(3.5, dtype=torch.float64)}
+    shardsafe.save(state, tmp_path / "ck")
+    assert_bitwise(shardsafe.load_full(tmp_path / "ck"), state)
