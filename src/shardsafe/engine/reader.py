@@ -229,11 +229,11 @@ def _is_canonical_header(header: bytes, manifest: Manifest, index: int) -> bool:
     such a header places every chunk where the index says, so the full parse can be
     skipped. False sends the caller to the full check (older writers, damage).
 
-    The expected header is what :func:`~shardsafe.format.datafile.build_header` makes of
-    the rows in file order, built here straight from the index's columns (one small dict
-    per row; thousands of rows)."""
-    import json
+    The expected header is the text :func:`~shardsafe.format.datafile.build_header` makes
+    of the rows in file order (``json.dumps`` with its separators and ASCII escapes),
+    spelt here straight from the index's columns, one formatted member per row."""
     import struct
+    from json.encoder import encode_basestring_ascii
 
     from ..format.datafile import HEADER_ALIGN, METADATA, METADATA_KEY, chunk_name, unique_chunk_names
     from ..format.dtypes import safetensors_code, torch_dtype
@@ -250,7 +250,7 @@ def _is_canonical_header(header: bytes, manifest: Manifest, index: int) -> bool:
     tensors = manifest.tensors
     key_in_file = manifest.key_in_file
     names: list[str] = []
-    fields: list[dict] = []
+    fields: list[tuple[str, str, int, int]] = []  # dtype code, shape, data offsets
     base = len(header)
     offset = 0
     for r in rows:
@@ -268,15 +268,23 @@ def _is_canonical_header(header: bytes, manifest: Manifest, index: int) -> bool:
         a, b = dims[r], dims[r + 1]
         o, n = offs[a:b], lens[a:b]
         names.append(key if not any(o) and tuple(n) == tuple(entry.shape) else chunk_name(key, o, False))
-        fields.append({"dtype": code, "shape": n, "data_offsets": [offset, offset + end - start]})
+        fields.append((code, ",".join(map(str, n)), offset, offset + end - start))
         offset += end - start
     if len(set(names)) != len(names) or METADATA_KEY in names:
         names = unique_chunk_names(names)
-    body: dict[str, object] = {METADATA_KEY: METADATA}
-    body.update(zip(names, fields))
-    text = json.dumps(body, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-(len(text) + 8) % HEADER_ALIGN)
-    return len(text) + 8 == base and header[8:] == text and header[:8] == struct.pack("<Q", len(text))
+    enc = encode_basestring_ascii
+    text = f"{{{enc(METADATA_KEY)}:{_json_object(METADATA)}" + "".join([
+        f',{enc(name)}:{{"dtype":"{code}","shape":[{shape}],"data_offsets":[{lo},{hi}]}}'
+        for name, (code, shape, lo, hi) in zip(names, fields)]) + "}"
+    data = text.encode("utf-8")
+    data += b" " * (-(len(data) + 8) % HEADER_ALIGN)
+    return len(data) + 8 == base and header[8:] == data and header[:8] == struct.pack("<Q", len(data))
+
+
+def _json_object(value: object) -> str:
+    import json
+
+    return json.dumps(value, separators=(",", ":"))
 
 
 def windows(checks: list[BlockCheck], limit: int = VERIFY_WINDOW) -> list[list[BlockCheck]]:
