@@ -145,7 +145,7 @@ class ReadPlan:
     @property
     def files(self) -> set[int]:
         """The data files the ops read."""
-        return {op.file for op in self.ops}
+        return {op.chunk.file for op in self.ops}
 
     def verify_with(self, reader: Reader) -> int:
         """The verify phase: headers of every file read, then the blocks checked before
@@ -165,8 +165,8 @@ def plan_phase(manifest: Manifest, fills: list[Fill], *, verify: bool, verify_fr
         if verify and not verify_fresh_first:
             post = {i for i, op in enumerate(ops)
                     if fills[op.dest].fresh and op.whole_chunk and op.dest_range is not None}
-        checks = block_checks([op for i, op in enumerate(ops) if i not in post], block_size(manifest)) \
-            if verify else []
+        checks = block_checks([op for i, op in enumerate(ops) if i not in post] if post else ops,
+                              block_size(manifest)) if verify else []
     return ReadPlan(ops, checks, post, verify)
 
 
@@ -175,7 +175,7 @@ def open_files_phase(files: OpenFiles, plan: ReadPlan, threads: int = 8) -> None
     lands: a checkpoint replaced meanwhile is noticed here, never half way. On a remote
     backend (``files.spill``), fetch every byte range the plan will read, once, with
     ``threads`` requests at once (headers, checked blocks and landed runs)."""
-    for f in sorted({op.file for op in plan.ops}):
+    for f in sorted(plan.files):
         files.handle(f)
     if files.spill:
         ranges: dict[int, list[tuple[int, int]]] = {}

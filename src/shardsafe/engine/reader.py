@@ -227,31 +227,64 @@ def _is_canonical_header(header: bytes, manifest: Manifest, index: int) -> bool:
     """True when ``header`` is byte for byte the header this writer makes for the chunks
     the file's index lists (names, dtypes, shapes, back to back at the listed ranges):
     such a header places every chunk where the index says, so the full parse can be
-    skipped. False sends the caller to the full check (older writers, damage)."""
-    from ..format.datafile import ChunkEntry, build_header, chunk_name
+    skipped. False sends the caller to the full check (older writers, damage).
+
+    The expected header is the text :func:`~shardsafe.format.datafile.build_header` makes
+    of the rows in file order (``json.dumps`` with its separators and ASCII escapes),
+    spelt here straight from the index's columns, one formatted member per row."""
+    import struct
+    from json.encoder import encode_basestring_ascii
+
+    from ..format.datafile import HEADER_ALIGN, METADATA, METADATA_KEY, chunk_name, unique_chunk_names
     from ..format.dtypes import safetensors_code, torch_dtype
 
     fi = manifest.index(index)
     table = fi.table
     starts, ends = table.start.tolist(), table.end.tolist()
     offs, lens, dims = table.offsets.tolist(), table.lengths.tolist(), table.dims.tolist()
+    ordinals = fi.ordinals
+    rows = range(len(ordinals))
+    if any(a > b for a, b in zip(starts, starts[1:])):
+        rows = sorted(rows, key=starts.__getitem__)  # type: ignore[assignment]
     codes: dict[str, str | None] = {}
-    rows = sorted(range(len(fi.ordinals)), key=starts.__getitem__)
-    entries = []
+    tensors = manifest.tensors
+    key_in_file = manifest.key_in_file
+    names: list[str] = []
+    fields: list[tuple[str, str, int, int]] = []  # dtype code, shape, data offsets
+    base = len(header)
+    offset = 0
     for r in rows:
-        key = manifest.key_in_file(index, fi.ordinals[r])
-        entry = manifest.tensors[key]
+        key = key_in_file(index, ordinals[r])
+        entry = tensors[key]
         code = codes.get(entry.dtype, "")
         if code == "":
             dtype = torch_dtype(entry.dtype)
             code = codes[entry.dtype] = None if dtype is None else safetensors_code(dtype)
         if code is None:
             return False
-        o, n = offs[dims[r]: dims[r + 1]], lens[dims[r]: dims[r + 1]]
-        whole = not any(o) and tuple(n) == tuple(entry.shape)
-        entries.append(ChunkEntry(chunk_name(key, o, whole), code, tuple(n), ends[r] - starts[r]))
-    expected, ranges = build_header(entries)
-    return expected == header and all(rg == (starts[r], ends[r]) for rg, r in zip(ranges, rows))
+        start, end = starts[r], ends[r]
+        if start != base + offset:  # not back to back from the end of the header
+            return False
+        a, b = dims[r], dims[r + 1]
+        o, n = offs[a:b], lens[a:b]
+        names.append(key if not any(o) and tuple(n) == tuple(entry.shape) else chunk_name(key, o, False))
+        fields.append((code, ",".join(map(str, n)), offset, offset + end - start))
+        offset += end - start
+    if len(set(names)) != len(names) or METADATA_KEY in names:
+        names = unique_chunk_names(names)
+    enc = encode_basestring_ascii
+    text = f"{{{enc(METADATA_KEY)}:{_json_object(METADATA)}" + "".join([
+        f',{enc(name)}:{{"dtype":"{code}","shape":[{shape}],"data_offsets":[{lo},{hi}]}}'
+        for name, (code, shape, lo, hi) in zip(names, fields)]) + "}"
+    data = text.encode("utf-8")
+    data += b" " * (-(len(data) + 8) % HEADER_ALIGN)
+    return len(data) + 8 == base and header[8:] == data and header[:8] == struct.pack("<Q", len(data))
+
+
+def _json_object(value: object) -> str:
+    import json
+
+    return json.dumps(value, separators=(",", ":"))
 
 
 def windows(checks: list[BlockCheck], limit: int = VERIFY_WINDOW) -> list[list[BlockCheck]]:
@@ -362,13 +395,22 @@ class Reader:
         box ``boxes[op.dest]`` of its tensor); ops for which
         ``post_verify`` is true are hashed after landing (whole chunks only). Returns the
         bytes landed."""
-        direct = [(op, writable_bytes(dests[op.dest])[op.dest_range[0]: op.dest_range[1]])
-                  for op in ops if op.dest_range is not None]
-        staged = [op for op in ops if op.dest_range is None]
-        for f in sorted({op.file for op in ops}):
+        direct: list[tuple[ReadOp, memoryview]] = []
+        staged: list[ReadOp] = []
+        memory: dict[int, memoryview] = {}  # dest index -> its bytes (a dest may take several ops)
+        for op in ops:
+            rng = op.dest_range
+            if rng is None:
+                staged.append(op)
+                continue
+            view = memory.get(op.dest)
+            if view is None:
+                view = memory[op.dest] = writable_bytes(dests[op.dest])
+            direct.append((op, view if rng[0] == 0 and rng[1] == len(view) else view[rng[0]: rng[1]]))
+        for f in sorted({op.chunk.file for op in ops}):
             self.files.handle(f)  # open (and size-check) every file before any byte lands
         batches = _batches(direct)
-        groups = split_work(batches, [sum(op.nbytes for op, _ in b) for b in batches], self.threads)
+        groups = split_work(batches, [sum([len(view) for _, view in b]) for b in batches], self.threads)
         with ThreadPoolExecutor(max(1, len(groups) - 1), thread_name_prefix="shardsafe-read") as pool:
             futures = [pool.submit(self._read_batches, g) for g in groups[1:]]
             try:
@@ -389,7 +431,7 @@ class Reader:
                 finally:
                     for fut in futures:
                         fut.result()
-        return sum(op.nbytes for op in ops)
+        return sum([len(view) for _, view in direct]) + sum([op.nbytes for op in staged])
 
     def _read_batches(self, batches: list[list[tuple[ReadOp, memoryview]]]) -> None:
         """Each batch: one vectored read of single-run ops back to back in a file, or one
@@ -463,18 +505,28 @@ class Reader:
 def _batches(items: list[tuple[ReadOp, memoryview]]) -> list[list[tuple[ReadOp, memoryview]]]:
     """Group single-run ops on adjacent byte ranges of the same file into vectored reads
     of at most IOV_MAX buffers and about BATCH_BYTES."""
-    items = sorted(items, key=lambda it: (it[0].file, it[0].runs[0][0] if it[0].runs else 0))
+    keys = [(op.chunk.file, op.runs[0][0] if op.runs else 0) for op, _ in items]
+    if keys != sorted(keys):
+        order = sorted(range(len(items)), key=keys.__getitem__)
+        items, keys = [items[i] for i in order], [keys[i] for i in order]
     out: list[list[tuple[ReadOp, memoryview]]] = []
     size = 0
-    for it in items:
-        op = it[0]
-        if out and len(op.runs) == 1 and len(out[-1]) < IOV_MAX and size + op.runs[0][1] <= BATCH_BYTES:
-            last = out[-1][-1][0]
-            if len(last.runs) == 1 and last.file == op.file and last.runs[0][0] + last.runs[0][1] == op.runs[0][0]:
+    last_end = -1  # where the last item's run ends in its file, -1 when it has not exactly one run
+    last_file = -1
+    for it, (file, start) in zip(items, keys):
+        runs = it[0].runs
+        if len(runs) == 1:
+            n = runs[0][1]
+            if out and last_end == start and last_file == file and len(out[-1]) < IOV_MAX and size + n <= BATCH_BYTES:
                 out[-1].append(it)
-                size += op.runs[0][1]
+                size += n
+                last_end = start + n
                 continue
-        out.append([it])
-        size = op.runs[0][1] if op.runs else 0
+            out.append([it])
+            size = n
+            last_end, last_file = start + n, file
+        else:
+            out.append([it])
+            size = runs[0][1] if runs else 0
+            last_end = -1
     return out
-

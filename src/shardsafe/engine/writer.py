@@ -33,7 +33,7 @@ from ..format.manifest import FileEntry
 from ..format.refs import block_digest, chunk_digest
 from ..plan.save_plan import ChunkWrite, FileWrite
 from ..storage.base import Folder, WriteHandle
-from .buffers import dense, flat_bytes, resolved
+from .buffers import dense, flat_bytes, readable_bytes, resolved
 from .memory import HostMemory, Lease
 from .parallel import run_shares
 
@@ -122,7 +122,8 @@ class FileWriter:
         # need not be the current device: wait on each source device's stream.
         self.devices = sorted({s.device.index or 0 for s in self.sources if s.device.type == "cuda"})
         self.pin = pin and self.cuda and torch.cuda.is_available()
-        self.staged_bytes = sum(c.end - c.start for c, s in zip(plan.chunks, self.sources) if not self._borrowable(s))
+        self.borrowable = [self._borrowable(s) for s in self.sources]
+        self.staged_bytes = sum(c.end - c.start for c, b in zip(plan.chunks, self.borrowable) if not b)
         cap = self.staged_bytes if staging_bytes is None else min(staging_bytes, self.staged_bytes)
         cap = memory.fits(max(cap, min(block, self.staged_bytes), 1))
         # Slots: at least two when the cap allows (one fills while the other is written),
@@ -171,9 +172,9 @@ class FileWriter:
                 copier = ThreadPoolExecutor(copy_threads - 1, thread_name_prefix="shardsafe-stage")
             borrowed: list[tuple[int, int, memoryview]] = []
             at = size = 0
-            for ci, (chunk, src) in enumerate(zip(self.plan.chunks, self.sources)):
+            for ci, (chunk, src, borrowable) in enumerate(zip(self.plan.chunks, self.sources, self.borrowable)):
                 self._check()
-                if not self._borrowable(src):
+                if not borrowable:
                     if borrowed:
                         self._submit(Stretch(at, borrowed))
                         borrowed = []
@@ -182,7 +183,7 @@ class FileWriter:
                 if slot is not None:
                     self._submit(slot.close(copier, copy_threads, self.cuda))
                     slot = None
-                view = memoryview(flat_bytes(src).numpy()) if src.numel() else memoryview(b"")
+                view = readable_bytes(src)  # (``self.sources`` keeps ``src`` alive until the file is written)
                 for bi, piece in self._blocks(view):
                     start = chunk.start + bi * self.block
                     if borrowed and (at + size != start or size + len(piece) > BORROW_STRETCH

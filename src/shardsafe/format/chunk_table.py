@@ -228,8 +228,14 @@ class ChunkTable:
         a, b = dims[c], dims[c + 1]
         sums = self.sums
         f = file[c]
+        x0, x1 = xs[c] * HEX, xs[c + 1] * HEX
+        if b - a == 1:  # (one dim: the common case, without the list slices)
+            return Chunk((offsets[a],), (lengths[a],), f, start[c], end[c],
+                         [sums[x0:x1]] if x1 - x0 == HEX else [sums[i: i + HEX] for i in range(x0, x1, HEX)],
+                         self.file_ranks[f])
         return Chunk(tuple(offsets[a:b]), tuple(lengths[a:b]), f, start[c], end[c],
-                     [sums[i: i + HEX] for i in range(xs[c] * HEX, xs[c + 1] * HEX, HEX)], self.file_ranks[f])
+                     [sums[x0:x1]] if x1 - x0 == HEX else [sums[i: i + HEX] for i in range(x0, x1, HEX)],
+                     self.file_ranks[f])
 
     def meeting(self, lo: int, hi: int, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> list[int]:
         """Indices in ``lo..hi-1`` (chunks of one tensor, all of rank ``len(offsets)``)

@@ -208,12 +208,12 @@ class FileIndex:
             if type(cols) is not dict:
                 raise CorruptCheckpointError("chunks is not an object")
             ords = cols.get("t")
-            if not (type(ords) is list and all(type(t) is int for t in ords)):
+            if not (type(ords) is list and set(map(type, ords)) <= {int}):
                 raise CorruptCheckpointError("chunks 't' is not a list of tensor ordinals")
-            if any(not 0 <= t < len(shapes) for t in ords) or any(a > b for a, b in zip(ords, ords[1:])):
+            if ords != sorted(ords) or (ords and (ords[0] < 0 or ords[-1] >= len(shapes))):  # sorted: ends bound
                 raise CorruptCheckpointError(f"chunks 't' holds an ordinal out of range (0..{len(shapes) - 1}) or "
                                              "is not sorted")
-            ndim = np.array([len(shapes[t]) for t in ords], dtype=np.int64)
+            ndim = np.fromiter(map(len, shapes), dtype=np.int64, count=len(shapes))[np.asarray(ords, dtype=np.int64)]
             table = ChunkTable.from_json({**cols, "f": [0] * len(ords)}, ndim, block, [rank])
             firsts = np.searchsorted(np.asarray(ords, dtype=np.int64), np.arange(len(shapes) + 1), side="left")
             name = where.rsplit("/", 1)[-1]
@@ -237,7 +237,9 @@ class FileIndex:
             offsets = table.offsets.tolist()
             dims = table.dims.tolist()
             previous: tuple[int, list[int]] | None = None
-            for r, t in enumerate(ords):  # sorted by (ordinal, offsets), no two rows at one place
+            # Sorted by (ordinal, offsets), no two rows at one place (a given when every
+            # ordinal is listed once: they are sorted already).
+            for r, t in enumerate(ords if len(set(ords)) != len(ords) else ()):
                 here = (t, offsets[dims[r]: dims[r + 1]])
                 if previous is not None and here <= previous:
                     raise CorruptCheckpointError(f"chunk {r}: rows are not sorted by tensor and offsets, or tensor {t} "

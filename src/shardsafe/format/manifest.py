@@ -116,8 +116,12 @@ class TensorEntry:
                  boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]],
                  layout: dict[str, Any] | None = None) -> TensorEntry:
         """A format-3 entry with explicit chunk boxes (offsets, lengths, file index)."""
-        entry = TensorEntry(dtype, shape, kind, None, layout)
-        entry._chunks, entry._geom = None, sorted(boxes)
+        entry = _new_entry(TensorEntry)  # no __init__: parsing builds 100k+ of these
+        entry.dtype, entry.shape, entry.kind, entry.layout = dtype, shape, kind, layout
+        entry._chunks, entry._geom = None, sorted(boxes) if len(boxes) > 1 else list(boxes)
+        entry._table = entry.rule = entry._owner = None
+        entry._lo = entry._hi = 0
+        entry._ord = -1
         return entry
 
     @staticmethod
@@ -170,6 +174,9 @@ class TensorEntry:
         if self.rule is not None:
             return self._to_files(self.rule.boxes_meeting(offsets, lengths))
         if self._geom is not None:
+            geom = self._geom
+            if len(geom) == 1 and geom[0][0] == offsets and geom[0][1] == lengths:  # one chunk, the box itself
+                return list(geom) if 0 not in lengths else []
             ends = [o + n for o, n in zip(offsets, lengths)]
             return [g for g in self._geom if all(
                 co < e and co + cn > o and cn > 0 for co, cn, o, e in zip(g[0], g[1], offsets, ends))]
@@ -194,6 +201,11 @@ class TensorEntry:
     def resolve_boxes(self, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> list[Chunk]:
         """The chunks at the given (offsets, lengths, file) of this format-3 entry."""
         return self._resolve(boxes)
+
+    def resolve_box(self, offsets: tuple[int, ...], lengths: tuple[int, ...], f: int) -> Chunk:
+        """The chunk at one (offsets, lengths, file) of this format-3 entry."""
+        assert self._owner is not None
+        return self._owner.resolve_one(self._ord, offsets, lengths, f)
 
     def _resolve(self, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> list[Chunk]:
         assert self._owner is not None
@@ -365,9 +377,10 @@ class Manifest:
         return found
 
     def _tensor_meta(self) -> list[tuple[tuple[int, ...], int]]:
-        from .dtypes import name_itemsize
+        from .dtypes import NAME_ITEMSIZE
 
-        return [(e.shape, name_itemsize(e.dtype) or 0) for e in list(self.tensors.values())[: len(self._keys)]]
+        size = NAME_ITEMSIZE.get
+        return [(e.shape, size(e.dtype) or 0) for e in list(self.tensors.values())[: len(self._keys)]]
 
     def _add_local_tensors(self, index: FileIndex) -> None:
         """The rank-local tensors an index lists become entries of ``tensors``."""
@@ -381,12 +394,25 @@ class Manifest:
             self.tensors[key] = TensorEntry(dtype, shape, "rank_local", chunks)
             self._local_keys[(index.file, base + i)] = key
 
+    def resolve_one(self, ordinal: int, offsets: tuple[int, ...], lengths: tuple[int, ...], f: int) -> Chunk:
+        """``resolve(ordinal, [(offsets, lengths, f)])[0]``, for one box of a loaded index."""
+        index = self._indexes.get(f)
+        row = None if index is None else index.row(ordinal, offsets)
+        if row is None:
+            return self.resolve(ordinal, [(offsets, lengths, f)])[0]
+        chunk = index.table.chunk(row)
+        if chunk.lengths != lengths:
+            return self.resolve(ordinal, [(offsets, lengths, f)])[0]  # (raises, naming the tensor)
+        return chunk
+
     def resolve(self, ordinal: int, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> list[Chunk]:
         """The chunks of manifest tensor ``ordinal`` at the given (offsets, lengths, file),
         with byte ranges and checksums from the files' indexes."""
         indexes = self._indexes
-        if any(f not in indexes for _, _, f in boxes):
-            self.load_indexes({f for _, _, f in boxes})
+        for _, _, f in boxes:
+            if f not in indexes:
+                self.load_indexes({f for _, _, f in boxes})
+                break
         out = []
         for offsets, lengths, f in boxes:
             index = indexes[f]
@@ -814,7 +840,27 @@ def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles:
     """Tensor entries: by rule, or by explicit boxes (rows of the geometry table), the
     object members of ``tensors_json`` (fewer than its raw text holds: a duplicate key) and
     the distinct rules (their bounds summed at most ``box_budget`` plus RULE_SLACK per
-    distinct rule, nothing cut)."""
+    distinct rule, nothing cut).
+
+    A first pass checks the boxes and dims of all tensors at once (numpy) and gives up at
+    the first doubt; a second pass, one tensor at a time, then raises the error that
+    names the first bad tensor (the same error for every manifest)."""
+    try:
+        found = _tensors_v3_pass(tensors_json, chunks_json, meshes, nfiles, world, box_budget, True)
+    except Exception:  # noqa: BLE001 - the exact error comes from the careful pass below
+        found = None
+    if found is None:
+        found = _tensors_v3_pass(tensors_json, chunks_json, meshes, nfiles, world, box_budget, False)
+    return found
+
+
+_INT = frozenset([int])
+
+
+def _tensors_v3_pass(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles: int, world: int,
+                     box_budget: int, batched: bool) -> tuple[dict[str, TensorEntry], int, list[Rule]] | None:
+    """:func:`_tensors_v3`, checking each box as it comes (``batched`` False), or all boxes
+    and dims at once at the end (``batched``: None when any check fails, with no error)."""
     from .dtypes import name_itemsize
 
     if type(tensors_json) is not dict:
@@ -823,23 +869,34 @@ def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles:
         raise CorruptCheckpointError("inconsistent manifest: chunks is not an object")
     o, n, f = chunks_json.get("o"), chunks_json.get("n"), chunks_json.get("f")
     if not (type(o) is list and type(n) is list and type(f) is list and len(o) == len(n)
-            and all(type(v) is int for col in (o, n, f) for v in col)):
+            and all(set(map(type, col)) <= _INT for col in (o, n, f))):
         raise CorruptCheckpointError("inconsistent manifest: chunks 'o', 'n', 'f' are not lists of integers")
     out: dict[str, TensorEntry] = {}
     row = dim = 0
     known: set[tuple[Any, tuple[Any, ...]]] = set()  # (dtype, shape) validated
     rules: dict[tuple, Rule] = {}
     members = len(tensors_json)
+    dims: list[Any] = []  # batched: every dim of every tensor, their types checked at the end
+    bounds: list[int] = []  # batched: each box dim's bound (its tensor's dim)
+    by_boxes = TensorEntry.by_boxes
     for key, t in tensors_json.items():
         if type(t) is not dict:
             raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}' is not an object")
         members += len(t)
         dtype, shape, kind = t["dtype"], t["shape"], t.get("kind", "replicated")
         shape_t = tuple(shape) if type(shape) is list else ()
-        try:
-            seen = (dtype, shape_t) in known and set(map(type, shape)) <= {int}
-        except TypeError:
-            seen = False
+        if batched:
+            try:
+                seen = (dtype, shape_t) in known and type(shape) is list
+            except TypeError:
+                seen = False
+            if seen:
+                dims.extend(shape)
+        else:
+            try:
+                seen = (dtype, shape_t) in known and set(map(type, shape)) <= _INT
+            except TypeError:
+                seen = False
         if not seen:
             _head_itemsize(key, dtype, shape, name_itemsize)
             known.add((dtype, shape_t))
@@ -848,6 +905,8 @@ def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles:
                                          "tensors are listed in the file indexes)")
         rule = t.get("rule")
         if rule is not None:
+            if batched and not set(map(type, shape_t)) <= _INT:
+                return None  # the careful pass names the bad dim before the rule uses it
             if not (type(rule) is dict and set(rule) == {"mesh", "placements", "salt"}):
                 raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': rule is not mesh, placements "
                                              "and salt")
@@ -884,22 +943,43 @@ def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles:
                 f"inconsistent manifest: tensor '{key}': chunk range {_show(span)} is not [first, count] with first "
                 f"{row} (where the previous tensor's chunks end), count >= 1, inside the table")
         nd = len(shape_t)
-        boxes = []
-        for r in range(row, row + span[1]):
-            bo, bn = tuple(o[dim: dim + nd]), tuple(n[dim: dim + nd])
-            dim += nd
-            if len(bn) != nd or not all(0 <= a and 0 <= b and a + b <= s for a, b, s in zip(bo, bn, shape_t)):
-                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}', chunk {r - row}: box "
-                                             f"{list(bo)}+{list(bn)} is not inside shape {list(shape_t)}")
-            if not 0 <= f[r] < nfiles:
-                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}', chunk {r - row}: file index "
-                                             f"{f[r]} is out of range")
-            boxes.append((bo, bn, f[r]))
-        row += span[1]
-        out[key] = TensorEntry.by_boxes(dtype, shape_t, kind, boxes, layout)
+        count = span[1]
+        if batched:  # the boxes are checked below, all at once
+            if count == 1:
+                boxes = [(tuple(o[dim: dim + nd]), tuple(n[dim: dim + nd]), f[row])]
+            else:
+                boxes = [(tuple(o[d: d + nd]), tuple(n[d: d + nd]), f[r])
+                         for r, d in zip(range(row, row + count), range(dim, dim + count * nd, nd))]
+            dim += count * nd
+            bounds.extend(shape_t * count)
+        else:
+            boxes = []
+            for r in range(row, row + count):
+                bo, bn = tuple(o[dim: dim + nd]), tuple(n[dim: dim + nd])
+                dim += nd
+                if len(bn) != nd or not all(0 <= a and 0 <= b and a + b <= s for a, b, s in zip(bo, bn, shape_t)):
+                    raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}', chunk {r - row}: box "
+                                                 f"{list(bo)}+{list(bn)} is not inside shape {list(shape_t)}")
+                if not 0 <= f[r] < nfiles:
+                    raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}', chunk {r - row}: file "
+                                                 f"index {f[r]} is out of range")
+                boxes.append((bo, bn, f[r]))
+        row += count
+        out[key] = by_boxes(dtype, shape_t, kind, boxes, layout)
     if row != len(f) or dim != len(o):
         raise CorruptCheckpointError(f"inconsistent manifest: the tensors claim {row} chunks, the chunk table has "
                                      f"{len(f)}")
+    if batched:
+        if not set(map(type, dims)) <= _INT:
+            return None
+        if o:
+            bo_, bn_, bound = (np.array(col, dtype=np.int64) for col in (o, n, bounds))  # OverflowError: None
+            if not ((bo_ >= 0) & (bn_ >= 0) & (bo_ <= bound) & (bn_ <= bound - bo_)).all():
+                return None
+        if f:
+            files = np.array(f, dtype=np.int64)
+            if not ((files >= 0) & (files < nfiles)).all():
+                return None
     return out, members, list(rules.values())
 
 

@@ -313,6 +313,10 @@ def _dict_pairs(payload: Any) -> list[tuple[str | int, Any]]:
 
 def _decode_tagged(tag: str, payload: Any, on_ref: Callable[[str, str], Any] | None, depth: int) -> Any:
     """A tag object at nesting level ``depth``; its payload array (if any) is one deeper."""
+    if tag == "$tensor" or tag == "$rank_local":  # placeholders first: a state's most common tag
+        if on_ref is None or not isinstance(payload, str):
+            raise CorruptCheckpointError(f"manifest: unexpected {tag} reference {_short(payload)}")
+        return on_ref(tag, payload)
     try:
         if tag == "$int":
             return _decimal_to_int(payload)
@@ -339,10 +343,6 @@ def _decode_tagged(tag: str, payload: Any, on_ref: Callable[[str, str], Any] | N
             return out
     except (ValueError, TypeError, AttributeError, UnicodeEncodeError) as exc:
         raise CorruptCheckpointError(f"manifest: bad {tag} value {_short(payload)}: {exc}") from None
-    if tag in ("$tensor", "$rank_local"):
-        if on_ref is None or not isinstance(payload, str):
-            raise CorruptCheckpointError(f"manifest: unexpected {tag} reference {_short(payload)}")
-        return on_ref(tag, payload)
     raise CorruptCheckpointError(f"manifest: unknown tag {_short(tag)}")
 
 

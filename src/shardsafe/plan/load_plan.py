@@ -50,7 +50,8 @@ class ReadOp(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return sum(n for _, n in self.runs)
+        runs = self.runs
+        return runs[0][1] if len(runs) == 1 else sum([n for _, n in runs])
 
     @property
     def whole_chunk(self) -> bool:
@@ -128,14 +129,23 @@ def plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int = DEFAULT_
 
 def _plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int) -> list[ReadOp]:
     ops: list[ReadOp] = []
+    append = ops.append
     memo: dict[tuple, tuple] = {}
     geoms: list | None = None
-    if manifest.indexed:  # format 3: the boxes each dest meets, then every index they need, read at once
-        geoms = [None if dest.box.is_empty() or dest.key not in manifest.tensors or
-                 not manifest.tensors[dest.key].indexed else
-                 manifest.tensors[dest.key].boxes_meeting(dest.box.offsets, dest.box.lengths) for dest in dests]
-        manifest.load_indexes({f for g in geoms if g for _, _, f in g})
     tensors = manifest.tensors
+    if manifest.indexed:  # format 3: the boxes each dest meets, then every index they need, read at once
+        geoms = []
+        needed: set[int] = set()
+        for dest in dests:
+            entry = tensors.get(dest.key)
+            box = dest.box
+            if entry is None or 0 in box.lengths or not entry.indexed:
+                geoms.append(None)
+                continue
+            geom = entry.boxes_meeting(box.offsets, box.lengths)
+            geoms.append(geom)
+            needed.update([f for _, _, f in geom] if len(geom) != 1 else (geom[0][2],))
+        manifest.load_indexes(needed)
     sizes: dict[str, int] = {}
     for index, dest in enumerate(dests):
         key, box = dest.key, dest.box
@@ -149,14 +159,23 @@ def _plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int) -> list[
         if 0 in box.lengths:
             continue  # nothing to read (and nothing to cover)
         geom = geoms[index] if geoms is not None else None
-        meeting = entry.resolve_boxes(geom) if geom is not None else entry.chunks_meeting(box.offsets, box.lengths)
-        if len(meeting) == 1 and box.offsets == meeting[0].offsets and box.lengths == meeting[0].lengths:
-            # The common case: one chunk that is exactly the destination box.
+        if geom is None:
+            meeting = entry.chunks_meeting(box.offsets, box.lengths)
+        elif len(geom) == 1:
+            meeting = [entry.resolve_box(*geom[0])]
+        else:
+            meeting = entry.resolve_boxes(geom)
+        if len(meeting) == 1:
             chunk = meeting[0]
-            n = chunk.end - chunk.start
-            if dest.direct or n <= max_buffer:
-                ops.append(ReadOp(index, key, chunk, box, ((chunk.start, n),), (0, n) if dest.direct else None))
-                continue
+            if box.offsets == chunk.offsets and box.lengths == chunk.lengths:
+                # The common case: one chunk that is exactly the destination box.
+                n = chunk.end - chunk.start
+                if dest.direct:
+                    append(ReadOp(index, key, chunk, box, ((chunk.start, n),), (0, n)))
+                    continue
+                if n <= max_buffer:
+                    append(ReadOp(index, key, chunk, box, ((chunk.start, n),), None))
+                    continue
         # What the intersections are depends only on the boxes, the itemsize and how the
         # bytes land: computed once per geometry (a model repeats a few shapes many times).
         memo_key = (box, dest.direct, size, tuple([(c.offsets, c.lengths) for c in meeting]))
@@ -174,8 +193,8 @@ def _plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int) -> list[
         for i, piece, runs, direct in pieces_of:
             chunk = meeting[i]
             start = chunk.start
-            ops.append(ReadOp(index, key, chunk, piece, ((start + runs[0][0], runs[0][1]),) if len(runs) == 1 else
-                              tuple([(start + s, n) for s, n in runs]), direct))
+            append(ReadOp(index, key, chunk, piece, ((start + runs[0][0], runs[0][1]),) if len(runs) == 1 else
+                          tuple([(start + s, n) for s, n in runs]), direct))
     return ops
 
 
@@ -218,14 +237,22 @@ def _block_checks(ops: list[ReadOp], block: int) -> list[BlockCheck]:
     wanted: dict[tuple[int, int], tuple[str, Chunk, set[int]]] = {}
     whole: dict[tuple[int, int], tuple[str, Chunk]] = {}  # chunks read whole: every block, no set
     for op in ops:
-        where = (op.chunk.file, op.chunk.start)
-        if op.whole_chunk and len(op.runs) == 1 and op.runs[0][1] == op.chunk.end - op.chunk.start:
-            whole[where] = (op.key, op.chunk)
+        chunk, runs = op.chunk, op.runs
+        where = (chunk.file, chunk.start)
+        if len(runs) == 1 and runs[0][1] == chunk.end - chunk.start and op.box.offsets == chunk.offsets \
+                and op.box.lengths == chunk.lengths:
+            whole[where] = (op.key, chunk)
             continue
-        entry = wanted.setdefault(where, (op.key, op.chunk, set()))
+        entry = wanted.setdefault(where, (op.key, chunk, set()))
         entry[2].update(needed_blocks(op, block))
     checks = [c for where, (key, chunk, bl) in wanted.items() if where not in whole
               for c in chunk_checks(key, chunk, sorted(bl), block)]
-    checks.extend(c for key, chunk in whole.values() for c in chunk_checks(key, chunk, None, block))
+    add = checks.append
+    for key, chunk in whole.values():
+        start, end, sums = chunk.start, chunk.end, chunk.checksum
+        if len(sums) == 1 and 0 < end - start <= block:  # one block (checked as chunk_checks does)
+            add(BlockCheck(chunk.file, start, end, sums[0], key))
+        else:
+            checks.extend(chunk_checks(key, chunk, None, block))
     checks.sort()  # by file, then offset (a block's (file, lo) is unique)
     return checks

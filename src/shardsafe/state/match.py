@@ -58,6 +58,7 @@ class Fill:
     box: Box
     fresh: bool
     cast: bool = False  # the saved dtype differs and the load converts (cast_dtype=True)
+    lands_direct: bool | None = field(default=None, repr=False)  # ``direct``, when known already
 
     def allocate(self) -> None:
         """Give a fresh tensor its memory (its shape is its box's); no-op otherwise."""
@@ -69,6 +70,8 @@ class Fill:
         """True when bytes can land straight in the tensor's memory (dense CPU, no lazy view)."""
         if self.fresh:
             return True
+        if self.lands_direct is not None:
+            return self.lands_direct
         if self.cast:
             return False  # saved bytes go through staging, then copy_ converts them
         t = self.tensor
@@ -257,6 +260,7 @@ class Matcher:
                 return dest
             saved_map = dict(items)
             target = copy.copy(dest) if private else dest  # keeps the type and e.g. _metadata
+            plain = not self.exclude  # no key is excluded: plain tensors take the short way below
             for k, v in list(dest.items()):
                 if k not in saved_map:
                     child = join_key(parts + [str(k)])
@@ -264,7 +268,14 @@ class Matcher:
                         self.result.errors.append(MissingKeysError(
                             f"key '{child}' is not in the checkpoint{_nearby(str(k), saved_map, parts)}"))
                     continue
-                new = self.match(v, saved_map[k], parts + [str(k)], private=private)
+                sv = saved_map[k]
+                if plain and type(v) is torch.Tensor and type(sv) is dict and len(sv) == 1 and "$tensor" in sv \
+                        and type(sv["$tensor"]) is str:
+                    # What match() does for a plain tensor saved as a tensor (the bulk of a
+                    # state, thousands of times): fill it in place; its key is spelt only on error.
+                    self._match_tensor(v, sv["$tensor"], (parts, k))
+                    continue
+                new = self.match(v, sv, parts + [str(k)], private=private)
                 if new is not v:
                     if private:
                         target[k] = new
@@ -302,16 +313,24 @@ class Matcher:
             self.result.errors.append(type(exc)(f"key '{path}': {exc}"))
             return None
 
-    def _match_tensor(self, dest: torch.Tensor, key: str, path: str) -> None:
+    def _match_tensor(self, dest: torch.Tensor, key: str, path: str | tuple[list[str], Any]) -> None:
+        """Fill ``dest`` from saved tensor ``key``; ``path``: its dotted key, or (parts,
+        key) to spell it from only when there is a problem."""
         entry = self.manifest.tensors.get(key)
         if entry is None:
-            self.result.errors.append(CorruptCheckpointError(f"key '{path}': tensor '{key}' is not in the manifest"))
+            self.result.errors.append(CorruptCheckpointError(
+                f"key '{_spelt(path)}': tensor '{key}' is not in the manifest"))
             return
-        views, global_shape, dtype = tensor_view(dest)
+        if type(dest) is torch.Tensor:  # a plain tensor: one view of the whole (tensor_view, fewer torch calls)
+            views = None
+            global_shape = dest.shape
+            dtype = dest.dtype
+        else:
+            views, global_shape, dtype = tensor_view(dest)
         if tuple(entry.shape) != global_shape:
             self.result.errors.append(
                 ShapeMismatchError(
-                    f"key '{path}': saved shape {list(entry.shape)}, destination shape {list(global_shape)}"
+                    f"key '{_spelt(path)}': saved shape {list(entry.shape)}, destination shape {list(global_shape)}"
                 )
             )
             return
@@ -319,20 +338,37 @@ class Matcher:
         cast = entry.dtype != expected
         if cast and not self.cast_dtype:
             self.result.errors.append(DtypeMismatchError(
-                f"key '{path}': saved dtype {entry.dtype}, destination dtype {expected} (pass cast_dtype=True to "
-                "convert on load)"))
+                f"key '{_spelt(path)}': saved dtype {entry.dtype}, destination dtype {expected} (pass cast_dtype=True "
+                "to convert on load)"))
+            return
+        if views is None:  # a plain tensor: its checks and whether bytes land in it directly, at once
+            local = dest.detach() if dest.requires_grad else dest  # (without autograd history: the same)
+            contiguous = local.is_contiguous()  # (no internal overlap then)
+            if not contiguous and local.numel() > 1 and torch._debug_has_internal_overlap(local) == 1:
+                self.result.errors.append(_overlap_error(path))
+                return
+            direct = not cast and contiguous and local.is_cpu and not local.is_conj() and not local.is_neg()
+            self.result.fills.append(Fill(key, local, Box.whole(global_shape), False, cast, direct))
             return
         for local, _ in views:
             if local.numel() > 1 and torch._debug_has_internal_overlap(local) == 1:
-                self.result.errors.append(
-                    CheckpointError(
-                        f"key '{path}': the destination tensor has overlapping memory (an expand()ed view?); "
-                        "load into a tensor whose elements are distinct"
-                    )
-                )
+                self.result.errors.append(_overlap_error(path))
                 return
         for local, box in views:
             self.result.fills.append(Fill(key, local, box, fresh=False, cast=cast))
+
+
+def _overlap_error(path: str | tuple[list[str], Any]) -> CheckpointError:
+    return CheckpointError(f"key '{_spelt(path)}': the destination tensor has overlapping memory (an expand()ed "
+                           "view?); load into a tensor whose elements are distinct")
+
+
+def _spelt(path: str | tuple[list[str], Any]) -> str:
+    """A dotted key, given as is or as (parts of its container, its own key)."""
+    if isinstance(path, str):
+        return path
+    parts, k = path
+    return join_key(parts + [str(k)])
 
 
 def _attr_setter(holder: RankLocal, v: Any) -> Callable[[], None]:

@@ -46,9 +46,13 @@ def _chunks(buffers: Sequence[memoryview]) -> list[memoryview]:
     out = []
     for b in buffers:
         b = b.cast("B") if (b.format != "B" or b.ndim != 1) else b
+        if len(b) <= _MAX_IO:
+            if len(b):
+                out.append(b)
+            continue
         for i in range(0, len(b), _MAX_IO):
             out.append(b[i: i + _MAX_IO])
-    return [b for b in out if len(b)]
+    return out
 
 
 class LocalReadHandle(ReadHandle):
@@ -63,22 +67,22 @@ class LocalReadHandle(ReadHandle):
     def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
         """Fill ``buffers`` from ``offset`` (short reads continue; end of file is an error)."""
         views = _chunks(buffers)
-        total = sum(len(v) for v in views)
         pos = offset
-        while views:
+        i, count = 0, len(views)
+        while i < count:
             try:
-                got = os.preadv(self.fd, views[:_IOV_MAX], pos)
+                got = os.preadv(self.fd, views[i: i + _IOV_MAX] if i or count > _IOV_MAX else views, pos)
             except OSError as exc:
                 raise storage_error(exc, "read", self.where) from exc
             if got == 0:
                 raise CorruptCheckpointError(
-                    f"{self.where}: file ends at byte {pos}, expected at least {offset + total}")
+                    f"{self.where}: file ends at byte {pos}, expected at least {pos + sum(map(len, views[i:]))}")
             pos += got
-            while views and got >= len(views[0]):
-                got -= len(views[0])
-                views.pop(0)
+            while i < count and got >= len(views[i]):
+                got -= len(views[i])
+                i += 1
             if got:
-                views[0] = views[0][got:]
+                views[i] = views[i][got:]
 
     def close(self) -> None:
         if self.fd >= 0:
