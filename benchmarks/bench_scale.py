@@ -48,9 +48,9 @@ from shardsafe.format.file_index import IndexedChunk, build_index, index_name  #
 from shardsafe.format.manifest import FileEntry, Manifest, TensorEntry  # noqa: E402
 from shardsafe.gcpause import gc_paused  # noqa: E402
 from shardsafe.layout import Box  # noqa: E402
+from shardsafe.ops.save import CHECKSUM_BLOCK, build_manifest  # noqa: E402
 from shardsafe.plan.load_plan import Dest, block_checks, plan_reads  # noqa: E402
 from shardsafe.plan.save_plan import TensorLayout, data_file_name, layout_file, plan_global  # noqa: E402
-from shardsafe.saving import CHECKSUM_BLOCK, build_manifest  # noqa: E402
 from shardsafe.state.sharding import pieces_for  # noqa: E402
 
 LAYERS, DIM, FFN, VOCAB, KV = 126, 16384, 53248, 128256, 1024

@@ -162,7 +162,7 @@ def test_dtype_or_shape_change_is_written(tmp_path):
 def test_version_skip_reuses_digests_and_plain_mode_sees_data_writes(tmp_path, monkeypatch):
     """version_skip: an unchanged tensor is not hashed again; without it, a change made
     through ``.data`` (invisible to the version counter) is still found."""
-    import shardsafe.incremental as inc
+    import shardsafe.ops.incremental as inc
 
     calls = []
     real = inc.full_digest
@@ -621,7 +621,7 @@ def test_version_skip_memo_of_an_async_save_overtaken_by_a_load(tmp_path):
         cp.save({"w": w}, tmp_path / "b", base=tmp_path / "a", version_skip=True)
         assert torch.equal(shardsafe.load_full(tmp_path / "b")["w"], torch.zeros(2_000_000))
         # Whichever finished first above, the rule itself: a memo taken before a load is dropped.
-        from shardsafe.incremental import VersionMemo
+        from shardsafe.ops.incremental import VersionMemo
 
         before = VersionMemo.epoch()
         shardsafe.load({"w": w}, tmp_path / "a")

@@ -115,8 +115,8 @@ if TYPE_CHECKING:  # the names above, for type checkers and IDEs
         UnexpectedKeysError,
         UnsupportedValueError,
     )
-    from .loading import LoadInfo
     from .manager import CheckpointConfig, CheckpointManager
-    from .saving import SaveInfo
+    from .ops.load import LoadInfo
+    from .ops.save import SaveInfo
     from .state.train_state import TrainState
     from .state.tree import Stateful, rank_local

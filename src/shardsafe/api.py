@@ -17,8 +17,8 @@ from typing import Any
 
 from .checkpointer import Checkpointer, PathLike, SaveFuture
 from .format.manifest import Manifest
-from .loading import DEFAULT_MAX_BUFFER, LoadInfo
-from .saving import CHECKSUM_BLOCK, SaveInfo
+from .ops.load import DEFAULT_MAX_BUFFER, LoadInfo
+from .ops.save import CHECKSUM_BLOCK, SaveInfo
 
 _DEFAULT: Checkpointer | None = None
 _DEFAULT_LOCK = threading.Lock()

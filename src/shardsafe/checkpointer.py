@@ -32,9 +32,9 @@ from .errors import CheckpointChangedError, CheckpointError
 from .exit_settle import guard_destroy, settle_gloo_workers
 from .format.manifest import Manifest
 from .hints import as_keys
-from .incremental import VersionMemo
 from .layout import Box
-from .loading import (
+from .ops.incremental import VersionMemo
+from .ops.load import (
     DEFAULT_MAX_BUFFER,
     CheckpointReader,
     LoadInfo,
@@ -46,8 +46,7 @@ from .loading import (
     plan_phase,
     read_manifest_phase,
 )
-from .plan.share_plan import Shared, plan_sharing
-from .saving import (
+from .ops.save import (
     CHECKSUM_BLOCK,
     FileResult,
     PlanCache,
@@ -58,6 +57,7 @@ from .saving import (
     prepare,
     remember,
 )
+from .plan.share_plan import Shared, plan_sharing
 from .state.context import active_group
 from .state.match import Fill, Matcher
 from .state.saved import check_tree, select

@@ -52,7 +52,7 @@ from .errors import (
     FormatVersionError,
 )
 from .hints import as_keys, warn_user
-from .incremental import chain_depth
+from .ops.incremental import chain_depth
 from .steps import by_step, parse_step, step_name, width_of
 from .storage.base import Folder
 

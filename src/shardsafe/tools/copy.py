@@ -28,7 +28,7 @@ from ..format.checksum import checksum
 from ..format.file_index import index_name
 from ..format.manifest import FileEntry, Manifest
 from ..format.refs import RefFile
-from ..loading import block_size
+from ..ops.load import block_size
 from ..plan.load_plan import BlockCheck, chunk_checks
 from ..plan.save_plan import data_file_name
 from .common import PathLike, human_bytes

@@ -49,7 +49,7 @@ from ..format.manifest import Manifest
 from ..format.values import PICKLE_INT_BOUND, decode
 from ..gcpause import gc_paused
 from ..hints import as_keys, missing_tensor
-from ..loading import CheckpointReader, land_phase, open_files_phase, plan_phase
+from ..ops.load import CheckpointReader, land_phase, open_files_phase, plan_phase
 from ..state.saved import children, select, walk
 from ..state.tree import join_key, saved_ref
 from .common import DCP_EMPTY_DICTS, Output, PathLike, UsageError, human_bytes, locate, no_match, parse_size

@@ -252,7 +252,7 @@ def _with_refs(entry: StepEntry, manifest: Manifest | None, folder: Folder) -> S
     """``entry`` with the bytes its checkpoint refers to (read from its indexes)."""
     if manifest is None or not any(r.checkpoint for r in manifest.refs):
         return entry  # no references, or only to files in its own folder (a self-contained copy)
-    from ..loading import index_reader
+    from ..ops.load import index_reader
 
     entry.refers_to = sorted({r.checkpoint for r in manifest.refs if r.checkpoint})
     inc = manifest.extra.get("incremental")

@@ -22,7 +22,7 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.dtypes import itemsize, torch_dtype
 from ..format.manifest import Chunk, Manifest
 from ..layout import Box, boxes_disjoint
-from ..loading import CheckpointReader, block_size, read_manifest_phase
+from ..ops.load import CheckpointReader, block_size, read_manifest_phase
 from ..plan.load_plan import BlockCheck, chunk_checks
 from ..state.match import Matcher
 from .common import PathLike, human_bytes

@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from .engine.buffers import flat_bytes, resolved
-from .format.checksum import checksum
-from .format.chunk_table import Chunk
-from .format.file_index import IndexedChunk
-from .format.manifest import Manifest
-from .format.refs import RefFile, block_digest, chunk_digest
-from .layout import Box
-from .plan.save_plan import Assignment
+from ..engine.buffers import flat_bytes, resolved
+from ..format.checksum import checksum
+from ..format.chunk_table import Chunk
+from ..format.file_index import IndexedChunk
+from ..format.manifest import Manifest
+from ..format.refs import RefFile, block_digest, chunk_digest
+from ..layout import Box
+from ..plan.save_plan import Assignment
 
 HASH_PIECE = 64 << 20  # accelerator tensors are copied to host this many bytes at a time to be hashed
 

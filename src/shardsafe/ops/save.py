@@ -33,25 +33,23 @@ from typing import Any
 
 import torch
 
-from . import __version__
-from .checkpoint_folder import SaveTarget, begin_save
-from .comm import Comm, rebuild
-from .comm import describe as describe_error
-from .engine.buffers import flat_bytes
-from .engine.writer import WrittenFile
-from .errors import BaseCheckpointError, CheckpointError, CorruptCheckpointError, UnsupportedValueError
-from .format.checksum import checksum
-from .format.dtypes import dtype_name, name_itemsize, safetensors_code
-from .format.file_index import FileIndex, IndexedChunk, build_index, index_name
-from .format.manifest import FORMAT_VERSION, FileEntry, Manifest, TensorEntry
-from .format.refs import RefFile
-from .format.rules import Mesh, placements_json
-from .format.rules import rule_problem as _rule_problem  # the reader's predicate (tests patch this name)
-from .hints import warn_user
-from .incremental import Base, VersionMemo, chain_depth, match, reference_rows
-from .layout import Box
-from .loading import Opened, read_manifest_phase
-from .plan.save_plan import (
+from .. import __version__
+from ..checkpoint_folder import SaveTarget, begin_save
+from ..comm import Comm, rebuild
+from ..comm import describe as describe_error
+from ..engine.buffers import flat_bytes
+from ..engine.writer import WrittenFile
+from ..errors import BaseCheckpointError, CheckpointError, CorruptCheckpointError, UnsupportedValueError
+from ..format.checksum import checksum
+from ..format.dtypes import dtype_name, name_itemsize, safetensors_code
+from ..format.file_index import FileIndex, IndexedChunk, build_index, index_name
+from ..format.manifest import FORMAT_VERSION, FileEntry, Manifest, TensorEntry
+from ..format.refs import RefFile
+from ..format.rules import Mesh, placements_json
+from ..format.rules import rule_problem as _rule_problem  # the reader's predicate (tests patch this name)
+from ..hints import warn_user
+from ..layout import Box
+from ..plan.save_plan import (
     ChunkWrite,
     FileWrite,
     GlobalPlan,
@@ -63,9 +61,11 @@ from .plan.save_plan import (
     plan_global,
     wire_of,
 )
-from .state.sharding import dtensor_pieces, is_dtensor, layout_of, local_of
-from .state.tree import FlatState, flatten, join_key
-from .storage.base import Backend, Folder
+from ..state.sharding import dtensor_pieces, is_dtensor, layout_of, local_of
+from ..state.tree import FlatState, flatten, join_key
+from ..storage.base import Backend, Folder
+from .incremental import Base, VersionMemo, chain_depth, match, reference_rows
+from .load import Opened, read_manifest_phase
 
 CHECKSUM_BLOCK = 1 << 20
 
@@ -511,8 +511,8 @@ def merge_trees(base: Any, other: Any, parts: list[str], rank: int, warn: bool =
     kind differs (a tensor on one rank, a value or container on the other; a dict
     against a list) raises CheckpointError naming the key and both ranks; differing
     plain values keep rank 0's, with a warning."""
-    from .state.saved import children
-    from .state.tree import saved_ref
+    from ..state.saved import children
+    from ..state.tree import saved_ref
 
     key = join_key(parts) or "<root>"
     kb, ko = children(base), children(other)
@@ -535,8 +535,8 @@ def merge_trees(base: Any, other: Any, parts: list[str], rank: int, warn: bool =
 
 
 def _kind_of(node: Any) -> str:
-    from .state.saved import children
-    from .state.tree import saved_ref
+    from ..state.saved import children
+    from ..state.tree import saved_ref
 
     ref = saved_ref(node)
     if ref is not None:

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_folder import MAX_MANIFEST_BYTES, open_committed
-from .engine.memory import HostMemory
-from .engine.reader import OpenFiles, Reader
-from .errors import CheckpointError, CorruptCheckpointError
-from .format.checksum import checksum
-from .format.manifest import MANIFEST_NAME, Manifest
-from .gcpause import gc_paused
-from .plan.load_plan import DEFAULT_MAX_BUFFER, BlockCheck, Dest, ReadOp, block_checks, plan_reads
-from .state.match import Fill, Matcher, MatchResult
-from .storage.base import Backend, Folder
+from ..checkpoint_folder import MAX_MANIFEST_BYTES, open_committed
+from ..engine.memory import HostMemory
+from ..engine.reader import OpenFiles, Reader
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..format.checksum import checksum
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..gcpause import gc_paused
+from ..plan.load_plan import DEFAULT_MAX_BUFFER, BlockCheck, Dest, ReadOp, block_checks, plan_reads
+from ..state.match import Fill, Matcher, MatchResult
+from ..storage.base import Backend, Folder
 
 
 @dataclass
@@ -102,7 +102,7 @@ def index_reader(folder: Folder, digest: int, remote: bool) -> Callable[[list[tu
     manifest is no longer the one read (``digest``), a checkpoint replaced meanwhile."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .errors import CheckpointChangedError, CheckpointNotFoundError
+    from ..errors import CheckpointChangedError, CheckpointNotFoundError
 
     def one(item: tuple[str, int]) -> bytes:
         name, size = item
@@ -238,7 +238,7 @@ class CheckpointReader:
     def read(self, key: str) -> torch.Tensor:
         """The full tensor ``key`` (a manifest tensor key) as a fresh CPU tensor."""
         if key not in self.manifest.tensors:
-            from .hints import missing_tensor
+            from ..hints import missing_tensor
 
             raise missing_tensor(self.manifest, key)
         matcher = Matcher(self.manifest)
