@@ -75,6 +75,7 @@ from _common import (
 )
 
 MiB = 1 << 20
+FLOOR_META = "floor + metadata: json.loads of manifest, indexes, headers; 4 reads per tensor"
 KiB = 1 << 10
 CHECKSUM_BLOCK = 1 << 20  # shardsafe.api.CHECKSUM_BLOCK
 
@@ -89,6 +90,8 @@ TARGETS = {
     "load_vs_raw": (">=", {"A": 0.8, "B": 0.7}, "shardsafe load / raw read throughput"),
     "floor_vs_raw": ("info", None, "floor (hash pass + read pass) / raw read throughput"),
     "load_vs_floor": ("info", None, "shardsafe load / floor throughput"),
+    "floor_meta_vs_raw": ("info", None, "floor + metadata (json.loads, 4 reads per tensor) / raw read throughput"),
+    "load_vs_floor_meta": ("info", None, "shardsafe load / (floor + metadata) throughput"),
     "csum_share": ("info", None, "xxh3 (1 thread) time / shardsafe save time (if hashing were serialized)"),
     "nocsum_saving": ("info", None, "1 - save(no checksums) / save"),
     "nofsync_hash_overhead": ("<=", 0.15, "checksum cost: [no fsync] 1 - save(no checksums) / save"),
@@ -397,6 +400,24 @@ def run(work: Path, reps: int, states: dict, args: argparse.Namespace) -> int:
         finally:
             os.close(fd)
 
+    def load_floor_meta(c: Case) -> Any:
+        """The floor above plus the least metadata work any Python loader of this checkpoint
+        does: the manifest, the file indexes and the data files' safetensors headers read
+        and parsed by the C JSON parser (json.loads, no checks), and four attribute reads per
+        destination tensor (data pointer, dtype, shape, contiguity). What a verified load of
+        many small tensors can reach here, with no validation and no planning at all."""
+        ss = c.paths["ss"]
+        json.loads((ss / "manifest.json").read_bytes())
+        for f in sorted(ss.iterdir()):
+            if f.name.endswith(".index.json"):
+                json.loads(f.read_bytes())
+            elif f.name.endswith(".safetensors"):
+                with open(f, "rb") as fh:
+                    json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for t in c.dest.values():
+            t.data_ptr(), t.dtype, t.shape, t.is_contiguous()
+        load_floor(c)
+
     # (name, fn, where the result lands: "dest" in place, "ret" a returned dict)
     loads: list[tuple[str, Callable[[Case], Any], str]] = [
         ("shardsafe.load", load_ss, "dest"),
@@ -408,6 +429,7 @@ def run(work: Path, reps: int, states: dict, args: argparse.Namespace) -> int:
         ("torch.load mmap=True (lazy, untouched)", load_torch_mmap, "ret"),
         ("raw preadv", load_raw, "dest"),
         ("floor: hash pass + read pass, 2 threads", load_floor, "dest"),
+        (FLOOR_META, load_floor_meta, "dest"),
     ]
 
     info = machine_info(work)
@@ -504,6 +526,8 @@ def run(work: Path, reps: int, states: dict, args: argparse.Namespace) -> int:
             "load_vs_raw": paired(ld["raw preadv"], ld["shardsafe.load"]),
             "floor_vs_raw": paired(ld["raw preadv"], ld["floor: hash pass + read pass, 2 threads"]),
             "load_vs_floor": paired(ld["floor: hash pass + read pass, 2 threads"], ld["shardsafe.load"]),
+            "floor_meta_vs_raw": paired(ld["raw preadv"], ld[FLOOR_META]),
+            "load_vs_floor_meta": paired(ld[FLOOR_META], ld["shardsafe.load"]),
             "csum_share": paired(c.csum, s["shardsafe.save"]),
             "nocsum_saving": [1 - x for x in paired(s["shardsafe.save (no checksums)"], s["shardsafe.save"])],
             "nofsync_hash_overhead": [1 - x for x in paired(s["[no fsync] shardsafe.save (no checksums)"],
