@@ -64,3 +64,28 @@ def s3(s3_server):
                "retry_backoff": 0.01, "max_backoff": 0.2}
     yield s3_server, bucket, options
     s3_server.drop_bucket(bucket)
+
+
+@pytest.fixture(scope="session")
+def azurite_server():
+    """A real Azure Blob server (Azurite, over HTTP on 127.0.0.1) for the whole session (see
+    azure_server.py); skipped with the reason where Node.js or Azurite is missing."""
+    pytest.importorskip("obstore")
+    from azure_server import Azurite, missing
+
+    why = missing()
+    if why is not None:
+        pytest.skip(why)
+    server = Azurite()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def az(azurite_server):
+    """``(server, container, storage_options)``: a fresh container on the session's Azurite,
+    deleted after the test."""
+    container = azurite_server.new_container()
+    options = {**azurite_server.options, "retry_backoff": 0.01, "max_backoff": 0.2}
+    yield azurite_server, container, options
+    azurite_server.drop_container(container)

@@ -19,43 +19,31 @@ through the seam (``storage.base``), so every backend gets the same rules:
   ``-del-`` folders — are deleted by the next save to the same name and by the manager.
   Where the filesystem has no locks (no ``flock``), a temp folder counts as abandoned once
   it has not changed for ``STALE_AFTER`` seconds.
+
+The rules above are the policy; the mechanics (rename, swap, lock, or a manifest published
+in place on object stores without renames) are the backend's commit strategy
+(``storage.commit``, ``Folder.commit``), which this module drives through :data:`POLICY`
+without asking which kind of backend it has.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
 from .format.file_index import DATA_SUFFIX, INDEX_SUFFIX, data_name, index_name
 from .format.manifest import MANIFEST_NAME
-from .storage.base import Backend, Folder, Lock
+from .storage.base import Backend, Folder
+from .storage.commit import DEL_MARK, MARKS, OLD_MARK, TMP_MARK, Lock, Staging, hidden_name, leftover_of
 
-TMP_MARK = ".shardsafe-tmp-"
-OLD_MARK = ".shardsafe-old-"
-DEL_MARK = ".shardsafe-del-"
-MARKS = (TMP_MARK, OLD_MARK, DEL_MARK)
+__all__ = ["DEL_MARK", "MARKS", "OLD_MARK", "POLICY", "TMP_MARK", "SaveTarget", "begin_save", "hidden_name",
+           "leftover_of"]
+
 STALE_AFTER = 6 * 3600.0  # seconds; only where the filesystem has no locks
 MAX_MANIFEST_BYTES = 4 << 30
-
-
-def hidden_name(name: str, mark: str) -> str:
-    """A fresh hidden sibling name for ``name`` with ``mark`` (tmp, old or del)."""
-    return f".{name}{mark}{uuid.uuid4().hex[:12]}"
-
-
-def leftover_of(entry: str) -> tuple[str, str] | None:
-    """(checkpoint name, mark) when ``entry`` is a hidden sibling made by a save, else None."""
-    if not entry.startswith("."):
-        return None
-    for mark in MARKS:
-        cut = entry.rfind(mark)
-        if cut > 1:
-            return entry[1:cut], mark
-    return None
 
 
 def is_committed(parent: Folder, name: str) -> bool:
@@ -71,7 +59,7 @@ def is_committed(parent: Folder, name: str) -> bool:
 
 def in_use(parent: Folder, entry: str, now: float | None = None) -> bool:
     """True when a live save holds temp folder ``entry`` (by its lock; without locks, by age)."""
-    held = parent.locked(entry)
+    held = parent.commit.held(parent, entry)
     if held is not None:
         return held
     try:
@@ -87,7 +75,7 @@ def claim_leftover(parent: Folder, entry: str) -> Lock | None | bool:
     it starts over), None where there are no locks and the folder is stale, False when a
     live save holds it (or, without locks, it is not stale)."""
     try:
-        lock = parent.lock(entry)
+        lock = parent.commit.claim(parent, entry)
     except CheckpointError:
         return False
     if lock is None and in_use(parent, entry):
@@ -120,13 +108,7 @@ def delete_checkpoint(parent: Folder, name: str) -> None:
     first), then deleted."""
     if parent.kind(name) is None:
         return
-    gone = hidden_name(name, DEL_MARK)
-    try:
-        if not parent.can_rename:
-            raise CheckpointError("no renames")
-        parent.rename(name, gone)
-    except CheckpointError:
-        gone = name
+    gone = parent.commit.hide(parent, name)
     discard(parent, gone)
     with contextlib.suppress(CheckpointError):
         parent.sync()
@@ -231,8 +213,7 @@ def clean_leftovers(parent: Folder, name: str) -> list[str]:
     if parked and not is_committed(parent, name):
         for entry in parked:  # the newest committed parked folder goes back
             if is_committed(parent, entry) and parent.kind(name) is None:
-                parent.rename(entry, name)
-                parent.sync()
+                parent.commit.restore(parent, entry, name)
                 done.append(entry)
                 break
     for entry, mark in entries:
@@ -249,8 +230,6 @@ def clean_leftovers(parent: Folder, name: str) -> list[str]:
             if claim:
                 claim.release()
     return done
-
-
 
 
 def _is_data(name: str, suffix: str = "") -> bool:
@@ -298,7 +277,7 @@ def _own_refs(refs: object) -> set[str]:
 
 
 def clean_in_place(folder: Folder, now: float | None = None) -> list[str]:
-    """On a backend without renames: delete data files in the checkpoint folder that its
+    """Where saves write in place (object stores): delete data files in the checkpoint folder that its
     manifest does not list and that have not changed for STALE_AFTER seconds (a killed
     save's; a live save's are younger). Returns what it deleted."""
     keep = _manifest_files(folder)
@@ -317,7 +296,7 @@ def clean_in_place(folder: Folder, now: float | None = None) -> list[str]:
 
 
 def clean_killed_in_place(parent: Folder, name: str, now: float | None = None) -> list[str]:
-    """On a backend without renames: the stale data files a killed save left in folder
+    """Where saves write in place: the stale data files a killed save left in folder
     ``name`` (see :func:`clean_in_place`); a folder left with nothing else (no manifest: the
     killed save was its first) goes too. Returns what it deleted."""
     with parent.open_folder(name) as f:
@@ -327,9 +306,16 @@ def clean_killed_in_place(parent: Folder, name: str, now: float | None = None) -
     return done
 
 
-def check_target(parent: Folder, name: str, overwrite: bool) -> None:
+def clean_killed(parent: Folder, name: str) -> list[str]:
+    """What killed saves left inside checkpoint folder ``name``, where the backend's saves
+    write in place (elsewhere they leave temp folders, see :func:`clean_leftovers`)."""
+    return parent.commit.clean_killed(parent, name, POLICY)
+
+
+def check_target(parent: Folder, name: str, overwrite: bool, ignore: Callable[[str], bool] | None = None) -> None:
     """Refuse a save target that holds a committed checkpoint (unless ``overwrite``) or
-    anything that is not a shardsafe checkpoint."""
+    anything that is not a shardsafe checkpoint (entries ``ignore`` accepts aside: where
+    saves write in place, a killed save's data files)."""
     kind = parent.kind(name)
     where = parent.where(name)
     if kind is None:
@@ -355,16 +341,49 @@ def check_target(parent: Folder, name: str, overwrite: bool) -> None:
             f"cannot save to {where}: it is a retired checkpoint that keeps data files incremental checkpoints refer "
             f"to ({', '.join(others[:5])}); delete those first (shardsafe.delete)")
     with parent.open_folder(name) as f:
-        names = f.names()
-        if not parent.can_rename:  # in place: a killed save's data files may be there, nothing else
-            names = [n for n in names if not _is_data(n)]
+        names = [n for n in f.names() if ignore is None or not ignore(n)]
         if names:
             raise CheckpointError(f"cannot save to {where}: the folder is not empty and holds no shardsafe checkpoint")
 
 
+class _Policy:
+    """The rules of this module, as the commit strategies ask for them (``storage.commit.Policy``);
+    each call goes through the module's functions as they are at call time."""
+
+    marker = MANIFEST_NAME
+
+    def committed(self, parent: Folder, name: str) -> bool:
+        return is_committed(parent, name)
+
+    def check_target(self, parent: Folder, name: str, overwrite: bool, ignore: Callable[[str], bool]) -> None:
+        check_target(parent, name, overwrite, ignore)
+
+    def clean_leftovers(self, parent: Folder, name: str) -> list[str]:
+        return clean_leftovers(parent, name)
+
+    def clean_stale(self, folder: Folder) -> list[str]:
+        return clean_in_place(folder)
+
+    def clean_killed(self, parent: Folder, name: str) -> list[str]:
+        return clean_killed_in_place(parent, name)
+
+    def listed(self, folder: Folder) -> set[str] | None:
+        return _manifest_files(folder)
+
+    def is_data(self, name: str, suffix: str = "") -> bool:
+        return _is_data(name, suffix)
+
+    def discard(self, parent: Folder, entry: str) -> None:
+        discard(parent, entry)
+
+
+POLICY = _Policy()
+
+
 @dataclass
 class SaveTarget:
-    """A save under way: its temp folder (``staging``), where data files are written."""
+    """A save under way: its staging folder (``staging``: a temp folder, or in place the
+    checkpoint's own), where data files are written."""
 
     parent: Folder
     name: str
@@ -374,60 +393,23 @@ class SaveTarget:
     suffix: str = ""  # in place (no renames): this save's data files are named data-...<suffix>.safetensors
 
     @property
-    def in_place(self) -> bool:
-        """True on backends without folder renames: data files go straight to the
-        checkpoint's folder under names unique to this save; the manifest, published last,
-        is the commit."""
-        return not self.parent.can_rename
-
-    @property
     def location(self) -> str:
         """The printable location of the checkpoint being saved."""
         return self.parent.where(self.name)
 
+    def _staged(self) -> Staging:
+        return Staging(self.staging, self.tmp, self.lock, self.suffix)
+
     def commit(self, manifest: bytes, overwrite: bool) -> None:
         """Write the manifest last and publish the checkpoint at its name (see the module
         docstring). Without ``overwrite``, a checkpoint committed meanwhile wins."""
-        if self.in_place:
-            self._commit_in_place(manifest, overwrite)
-            return
-        self.staging.write_bytes(MANIFEST_NAME, manifest)
-        self.staging.sync()
-        parent, name, tmp = self.parent, self.name, self.tmp
-        if not overwrite and is_committed(parent, name):
-            raise CheckpointExistsError(
-                f"a checkpoint was committed at {self.location} while this save was running; "
-                "pass overwrite=True to replace it")
-        publish(parent, tmp, name)
-
-    def _commit_in_place(self, manifest: bytes, overwrite: bool) -> None:
-        """Publish the manifest (replacing the old one with ``overwrite``, else only if none
-        appeared meanwhile), then delete the files of the checkpoint it replaced."""
-        old = (_manifest_files(self.staging) or set()) if overwrite else set()  # unreadable: delete nothing
-        try:
-            self.staging.publish_bytes(MANIFEST_NAME, manifest, replace=overwrite)
-        except CheckpointError as exc:
-            if not overwrite and getattr(exc, "errno", None) == errno.EEXIST:
-                raise CheckpointExistsError(
-                    f"a checkpoint was committed at {self.location} while this save was running; "
-                    "pass overwrite=True to replace it") from None
-            raise
-        mine = {n for n in self.staging.names() if _is_data(n, self.suffix)}
-        for stale in sorted(old - mine):
-            with contextlib.suppress(CheckpointError):
-                self.staging.remove(stale)
+        self.parent.commit.publish(self.parent, self.name, self._staged(), manifest, overwrite, POLICY)
 
     def abort(self) -> None:
         """Delete what this save wrote: its temp folder, or in place its own data files
         (never raises)."""
         with contextlib.suppress(Exception):
-            if self.in_place:
-                for n in self.staging.names():
-                    if _is_data(n, self.suffix):
-                        self.staging.remove(n)
-                return
-            self.staging.close()
-            discard(self.parent, self.tmp)
+            self.parent.commit.abort(self.parent, self._staged(), POLICY)
 
     def release(self) -> None:
         """Close the temp folder and drop the lock (after commit or abort)."""
@@ -441,82 +423,30 @@ def publish(parent: Folder, tmp: str, name: str) -> None:
     """Put the finished entry ``tmp`` (a folder or a file) at ``name``, atomically for
     readers: a rename when nothing is there (an empty folder is removed first), else an
     atomic swap, else park-rename-delete with rollback (see the module docstring)."""
-    kind = parent.kind(name)
-    if kind is None:
-        parent.rename(tmp, name)
-        try:
-            parent.sync()
-        except BaseException:
-            parent.rename(name, tmp)  # not durably published: back to the temp name (the caller aborts it)
-            raise
-        return
-    if kind == "dir" and not is_committed(parent, name):
-        with parent.open_folder(name) as f:
-            empty = not f.names()
-        if empty:
-            parent.remove_tree(name)
-            parent.rename(tmp, name)
-            parent.sync()
-            return
-    if parent.exchange(tmp, name):
-        try:
-            parent.sync()
-        except BaseException:
-            parent.exchange(tmp, name)  # roll back: the old entry goes back to its name
-            raise
-        with contextlib.suppress(CheckpointError):
-            discard(parent, tmp)  # tmp now names the old entry
-        return
-    old = hidden_name(name, OLD_MARK)
-    parent.rename(name, old)
-    try:
-        parent.rename(tmp, name)
-        try:
-            parent.sync()
-        except BaseException:
-            parent.rename(name, tmp)
-            raise
-    except BaseException:
-        parent.rename(old, name)  # roll back: the old entry stays in place
-        raise
-    with contextlib.suppress(CheckpointError):
-        discard(parent, old)
+    parent.commit.place(parent, tmp, name, POLICY)
+
+
+def output_entry(parent: Folder, name: str) -> str:
+    """The entry a tool builds its output ``name`` in before :func:`publish` puts it in
+    place (a hidden temp sibling; where saves write in place, ``name`` itself, emptied)."""
+    return parent.commit.output(parent, name)
+
+
+def reopen_staging(parent: Folder, tmp: str) -> Folder:
+    """The staging folder ``tmp`` that rank 0's :func:`begin_save` made (every rank writes there)."""
+    return parent.commit.reopen(parent, tmp)
 
 
 def begin_save(backend: Backend, location: str, overwrite: bool) -> SaveTarget:
     """Check the target, clean leftovers of earlier saves to it, and create and lock a
-    fresh temp folder beside it."""
+    fresh temp folder beside it (in place: open the checkpoint's folder)."""
     parent_loc, name = backend.split(location)
     if name in ("", ".", ".."):
         raise CheckpointError(f"cannot save to {location!r}: give a folder name")
     parent = backend.open(parent_loc, create=True)
     try:
-        if not parent.can_rename:
-            check_target(parent, name, overwrite)
-            staging = parent.open_folder(name, create=True)
-            clean_in_place(staging)
-            return SaveTarget(parent, name, name, staging, None, f".{uuid.uuid4().hex[:12]}")
-        clean_leftovers(parent, name)
-        check_target(parent, name, overwrite)
-        for attempt in range(3):
-            tmp = hidden_name(name, TMP_MARK)
-            try:
-                staging = parent.open_folder(tmp, create=True)
-            except CheckpointNotFoundError:
-                continue  # another save's cleaning deleted it before we could open it: a new name
-            try:
-                lock = parent.lock(tmp)
-            except CheckpointError:
-                staging.close()
-                if attempt == 2:
-                    raise
-                continue  # another save's cleaning claimed it first: a new name
-            if lock is not None and parent.kind(tmp) != "dir":  # deleted between open and lock
-                lock.release()
-                staging.close()
-                continue
-            return SaveTarget(parent, name, tmp, staging, lock)
-        raise CheckpointError(f"cannot create a temporary folder beside {parent.where(name)}")
+        st = parent.commit.begin(parent, name, overwrite, POLICY)
+        return SaveTarget(parent, name, st.tmp, st.folder, st.lock, st.suffix)
     except BaseException:
         parent.close()
         raise

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .checkpoint_folder import (
-    clean_killed_in_place,
+    clean_killed,
     clean_leftovers,
     delete_checkpoint,
     is_committed,
@@ -339,10 +339,9 @@ class CheckpointManager:
             if parse_step(name) is not None:
                 with contextlib.suppress(CheckpointError):
                     clean_leftovers(folder, name)
-        if not folder.can_rename:  # in place (object stores): killed saves' unlisted data files
-            for name in sorted(n for n in entries if parse_step(n) is not None):
-                with contextlib.suppress(CheckpointError):
-                    clean_killed_in_place(folder, name)
+        for name in sorted(n for n in entries if parse_step(n) is not None):  # saves that wrote in place
+            with contextlib.suppress(CheckpointError):
+                clean_killed(folder, name)
 
     # -- saving -----------------------------------------------------------------------
     def should_save(self, step: int, *, force: bool = False) -> bool:

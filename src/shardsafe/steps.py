@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from .checkpoint_folder import leftover_of
 from .errors import CheckpointError
+from .storage.commit import leftover_of
 
 STEP_PREFIX = "step-"
 WIDTH = 8  # digits of the names new saves get (zero padded)

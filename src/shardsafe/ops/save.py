@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..checkpoint_folder import SaveTarget, begin_save
+from ..checkpoint_folder import SaveTarget, begin_save, reopen_staging
 from ..comm import Comm, rebuild
 from ..comm import describe as describe_error
 from ..engine.buffers import flat_bytes
@@ -488,7 +488,7 @@ def _open_staging(backend: Backend, parent_location: str, tmp: str) -> Folder:
     """The folder rank 0 made for this save (on an object store, a prefix that may hold
     no object yet: it is "created", which creates nothing)."""
     with backend.open(parent_location, create=True) as parent:
-        return parent.open_folder(tmp, create=not parent.can_rename)
+        return reopen_staging(parent, tmp)
 
 
 def _agreed_tree(comm: Comm, described: Described, digests: list[str]) -> Any:

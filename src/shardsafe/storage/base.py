@@ -11,6 +11,12 @@ backends that cannot show partial files; on a local filesystem it is visible but
 a save's temporary folder, which no reader opens. What counts as a committed checkpoint
 or a leftover is not decided here (see ``shardsafe.checkpoint_folder``).
 
+The seam is small on purpose: a folder stats, lists, opens for reading, creates (a file
+written in parts), removes and opens sub-folders; a backend opens folders by location.
+How a save becomes visible (rename of a temp folder, or a manifest published last) is not
+an operation of the seam but the backend's commit strategy (``Folder.commit``, see
+``shardsafe.storage.commit``), chosen once per backend.
+
 Every failure is a :class:`~shardsafe.errors.CheckpointError`: :class:`StorageError`
 (keeps ``errno``, the file name and the cause) when the backend failed, or
 :class:`~shardsafe.errors.CorruptCheckpointError` when a file is not what a checkpoint
@@ -21,13 +27,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
-from ..errors import StorageError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+
+if TYPE_CHECKING:
+    from .commit import Commit
 
 Kind = Literal["file", "dir", "other"]
 
-__all__ = ["Backend", "Folder", "Kind", "Lock", "ReadHandle", "StorageError", "WriteHandle"]
+__all__ = ["Backend", "Entry", "Folder", "Kind", "ReadHandle", "StorageError", "WriteHandle"]
+
+
+class Entry(NamedTuple):
+    """What :meth:`Folder.stat` tells of an entry: its kind, size (files) and modification
+    time (UNIX seconds)."""
+
+    kind: Kind
+    size: int = 0
+    mtime: float = 0.0
 
 
 class ReadHandle(ABC):
@@ -52,8 +70,7 @@ class ReadHandle(ABC):
             sink(buf[:n], pos)
             pos += n
 
-    @abstractmethod
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - handles without resources need nothing here
         """Release the handle (idempotent)."""
 
     def __enter__(self) -> ReadHandle:
@@ -81,14 +98,6 @@ class WriteHandle(ABC):
         """Close and remove the unfinished file (idempotent; never raises)."""
 
 
-class Lock(ABC):
-    """An exclusive claim on a folder entry, held until :meth:`release`."""
-
-    @abstractmethod
-    def release(self) -> None:
-        """Give up the claim (idempotent)."""
-
-
 class Folder(ABC):
     """One folder of a storage backend; entries are plain names."""
 
@@ -98,22 +107,37 @@ class Folder(ABC):
         """The printable location of entry ``name``."""
         return f"{self.location.rstrip('/')}/{name}"
 
+    commit: Commit  # how checkpoints become visible here (set by each backend's folder class)
+
     # -- entries ------------------------------------------------------------------------
     @abstractmethod
-    def kind(self, name: str) -> Kind | None:
+    def stat(self, name: str) -> Entry | None:
         """What entry ``name`` is, without following symlinks (None: absent)."""
 
     @abstractmethod
     def names(self) -> list[str]:
         """The entries of this folder (any order)."""
 
-    @abstractmethod
+    def kind(self, name: str) -> Kind | None:
+        """What entry ``name`` is (None: absent)."""
+        st = self.stat(name)
+        return None if st is None else st.kind
+
     def size(self, name: str) -> int:
         """The size of regular file ``name`` (CorruptCheckpointError when it is not one)."""
+        st = self.stat(name)
+        if st is None:
+            raise CheckpointNotFoundError(f"{self.where(name)} does not exist")
+        if st.kind != "file":
+            raise CorruptCheckpointError(f"{self.where(name)} is not a regular file")
+        return st.size
 
-    @abstractmethod
     def mtime(self, name: str) -> float:
         """When entry ``name`` was last modified (UNIX time)."""
+        st = self.stat(name)
+        if st is None:
+            raise CheckpointNotFoundError(f"{self.where(name)} does not exist")
+        return st.mtime
 
     # -- files ---------------------------------------------------------------------------
     @abstractmethod
@@ -128,8 +152,6 @@ class Folder(ABC):
 
     def read_bytes(self, name: str, limit: int) -> bytes:
         """The whole of regular file ``name`` (at most ``limit`` bytes, else CorruptCheckpointError)."""
-        from ..errors import CorruptCheckpointError
-
         with self.open_read(name) as h:
             if h.size > limit:
                 raise CorruptCheckpointError(f"{self.where(name)}: {h.size} bytes, more than the {limit} allowed")
@@ -141,7 +163,8 @@ class Folder(ABC):
         """Make file ``name`` hold exactly ``data``, atomically for readers (they see the old
         content or the new, never a part) and durably: the commit of a checkpoint on a
         backend that cannot rename folders. Without ``replace`` an existing file is an
-        error (StorageError, EEXIST), decided atomically where the backend can."""
+        error (StorageError, EEXIST), decided atomically where the backend can. Backends
+        whose commit strategy publishes in place implement it."""
         raise NotImplementedError(f"{type(self).__name__} cannot publish files")
 
     def write_bytes(self, name: str, data: bytes, durable: bool = True) -> None:
@@ -164,42 +187,31 @@ class Folder(ABC):
         cannot map files (read it with :meth:`read_bytes` then)."""
         return None
 
+    def local_path(self, name: str) -> str | None:
+        """The filesystem path of entry ``name`` for writers that need one (DCP's); None
+        when the folder is not on the local filesystem."""
+        return None
+
+    def sync(self) -> None:  # noqa: B027 - where a finished write is durable there is nothing to do
+        """Make the folder's entries (creations, renames) durable."""
+
     # -- folders -------------------------------------------------------------------------
     @abstractmethod
     def open_folder(self, name: str, create: bool = False) -> Folder:
         """Sub-folder ``name`` (created when ``create``), never through a symlink.
         The returned folder stays that folder while open; close it when done."""
 
-    @abstractmethod
     def remove_tree(self, name: str) -> None:
         """Delete sub-folder ``name`` and everything in it (absent: nothing to do)."""
-
-    @abstractmethod
-    def rename(self, src: str, dst: str) -> None:
-        """Rename entry ``src`` to ``dst`` atomically (``dst`` must not exist)."""
-
-    @abstractmethod
-    def exchange(self, a: str, b: str) -> bool:
-        """Swap entries ``a`` and ``b`` atomically; False when the backend cannot."""
-
-    @abstractmethod
-    def sync(self) -> None:
-        """Make the folder's entries (creations, renames) durable."""
-
-    @abstractmethod
-    def lock(self, name: str) -> Lock | None:
-        """An exclusive, non-blocking claim on sub-folder ``name``; None when the backend
-        has no locks (callers fall back to age, see ``shardsafe.checkpoint_folder``). Raises
-        StorageError when someone else holds it."""
-
-    @abstractmethod
-    def locked(self, name: str) -> bool | None:
-        """True when someone holds the claim on ``name``; None when the backend has no locks."""
-
-    @property
-    def can_rename(self) -> bool:
-        """True when sub-folders can be renamed atomically (commit by rename)."""
-        return True
+        kind = self.kind(name)
+        if kind is None:
+            return
+        if kind != "dir":
+            self.remove(name)
+            return
+        with self.open_folder(name) as sub:
+            for entry in sub.names():
+                sub.remove_tree(entry)
 
     def close(self) -> None:  # noqa: B027 - backends without resources need nothing here
         """Release the folder (idempotent)."""
@@ -225,10 +237,16 @@ class Backend(ABC):
         """The folder at ``location`` (created, with its parents, when ``create``);
         CheckpointNotFoundError when it does not exist."""
 
-    @abstractmethod
     def split(self, location: str) -> tuple[str, str]:
-        """(parent location, last name) of ``location``, normalized."""
+        """(parent location, last name) of ``location``, normalized (``/``-separated)."""
+        parent, _, name = location.rstrip("/").rpartition("/")
+        return parent, name
 
-    @abstractmethod
     def exists(self, location: str) -> bool:
         """True when a folder (or file) is at ``location``."""
+        parent, name = self.split(location)
+        try:
+            with self.open(parent) as folder:
+                return folder.kind(name) is not None
+        except CheckpointNotFoundError:
+            return False

@@ -17,7 +17,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from .base import Backend, Folder, Kind, Lock, ReadHandle, StorageError, WriteHandle
+from .base import Backend, Entry, Folder, ReadHandle, StorageError, WriteHandle
+from .commit import IN_PLACE, Commit, Lock, Renaming
 from .local import LocalBackend, storage_error
 
 
@@ -149,7 +150,7 @@ class _FaultyLock(Lock):
         self.inner.release()
 
 
-class FaultyFolder(Folder):
+class FaultyFolder(Renaming):
     def __init__(self, backend: FaultyBackend, inner: Folder) -> None:
         self.backend = backend
         self.inner = inner
@@ -158,8 +159,13 @@ class FaultyFolder(Folder):
     def _check(self, op: str, name: str) -> None:
         self.backend.check(op, name, self.where(name))
 
-    def kind(self, name: str) -> Kind | None:
-        return self.inner.kind(name)
+    @property
+    def commit(self) -> Commit:  # type: ignore[override]
+        """The inner backend's strategy; in place (an object store's) with ``renames=False``."""
+        return self.inner.commit if self.backend.renames else IN_PLACE
+
+    def stat(self, name: str) -> Entry | None:
+        return self.inner.stat(name)
 
     def names(self) -> list[str]:
         return [n for n in self.inner.names() if n not in self.backend.hidden]
@@ -195,6 +201,7 @@ class FaultyFolder(Folder):
             raise StorageError(f"cannot rename {self.where(src)}: this storage has no renames", errno_mod.ENOTSUP,
                                self.where(src))
         self._check("rename", f"{src}->{dst}")
+        assert isinstance(self.inner, Renaming)
         self.inner.rename(src, dst)
 
     def publish_bytes(self, name: str, data: bytes, replace: bool) -> None:
@@ -205,6 +212,7 @@ class FaultyFolder(Folder):
         if not self.backend.exchange or not self.backend.renames:
             return False
         self._check("exchange", f"{a}<->{b}")
+        assert isinstance(self.inner, Renaming)
         return self.inner.exchange(a, b)
 
     def sync(self) -> None:
@@ -215,17 +223,15 @@ class FaultyFolder(Folder):
         self._check("lock", name)
         if not self.backend.locks or not self.backend.renames:
             return None
+        assert isinstance(self.inner, Renaming)
         inner = self.inner.lock(name)
         return None if inner is None else _FaultyLock(inner)
 
     def locked(self, name: str) -> bool | None:
         if not self.backend.locks or not self.backend.renames:
             return None
+        assert isinstance(self.inner, Renaming)
         return self.inner.locked(name)
-
-    @property
-    def can_rename(self) -> bool:
-        return self.backend.renames and self.inner.can_rename
 
     def close(self) -> None:
         self.inner.close()

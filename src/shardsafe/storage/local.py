@@ -1,5 +1,8 @@
 """The local filesystem backend: positional vectored I/O, fsync, rename, flock.
 
+Its folders commit by renaming (:class:`~shardsafe.storage.commit.RenameCommit`): the
+filesystem-only operations (rename, exchange, lock) are theirs, not the generic seam's.
+
 A :class:`LocalFolder` holds an open directory descriptor and does everything relative to
 it (``openat``, ``renameat2``, ...), never through a symlink and never opening anything
 but a regular file for reading (a FIFO would block forever; ``O_NONBLOCK`` and a check on
@@ -23,7 +26,8 @@ import threading
 from collections.abc import Sequence
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from .base import Backend, Folder, Kind, Lock, ReadHandle, WriteHandle
+from .base import Backend, Entry, Folder, ReadHandle, WriteHandle
+from .commit import RENAME, Lock, Renaming
 
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
@@ -181,8 +185,10 @@ def _libc_renameat2():  # noqa: ANN202 - a ctypes function or None
     return _RENAMEAT2[0]
 
 
-class LocalFolder(Folder):
+class LocalFolder(Renaming):
     """A directory of the local filesystem, held open by a descriptor."""
+
+    commit = RENAME
 
     def __init__(self, fd: int, location: str) -> None:
         self.fd = fd
@@ -197,35 +203,18 @@ class LocalFolder(Folder):
         except OSError as exc:
             raise storage_error(exc, "inspect", self.where(name)) from exc
 
-    def kind(self, name: str) -> Kind | None:
+    def stat(self, name: str) -> Entry | None:
         st = self._stat(name)
         if st is None:
             return None
-        if stat.S_ISREG(st.st_mode):
-            return "file"
-        if stat.S_ISDIR(st.st_mode):
-            return "dir"
-        return "other"
+        kind = "file" if stat.S_ISREG(st.st_mode) else "dir" if stat.S_ISDIR(st.st_mode) else "other"
+        return Entry(kind, st.st_size, st.st_mtime)
 
     def names(self) -> list[str]:
         try:
             return os.listdir(self.fd)
         except OSError as exc:
             raise storage_error(exc, "list", self.location) from exc
-
-    def size(self, name: str) -> int:
-        st = self._stat(name)
-        if st is None:
-            raise CheckpointNotFoundError(f"{self.where(name)} does not exist")
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"{self.where(name)} is not a regular file")
-        return st.st_size
-
-    def mtime(self, name: str) -> float:
-        st = self._stat(name)
-        if st is None:
-            raise CheckpointNotFoundError(f"{self.where(name)} does not exist")
-        return st.st_mtime
 
     # -- files ---------------------------------------------------------------------------
     def open_read(self, name: str) -> ReadHandle:
@@ -272,6 +261,9 @@ class LocalFolder(Folder):
                 raise storage_error(exc, "map", self.where(name)) from exc
         finally:
             h.close()
+
+    def local_path(self, name: str) -> str | None:
+        return self.where(name)
 
     def publish_bytes(self, name: str, data: bytes, replace: bool) -> None:
         tmp = f".{name}.publish-{os.getpid()}-{threading.get_ident()}"

@@ -53,7 +53,10 @@ from ..errors import (
     CorruptCheckpointError,
     StorageError,
 )
-from .base import Backend, Folder, Kind, Lock, ReadHandle, WriteHandle
+from .base import Backend, Entry, Folder, ReadHandle, WriteHandle
+from .commit import IN_PLACE
+from .options import Spellings, read_options
+from .options import as_bool as _bool
 
 __all__ = ["S3Backend", "S3Folder", "S3Options", "parse_options"]
 
@@ -104,21 +107,13 @@ _ALIASES = {
     "part_size": ("part_size", "chunk_size", "multipart_chunksize", "block_size"),
     "max_concurrency": ("max_concurrency", "concurrency"),
 }
-_CANONICAL = {alias: name for name, aliases in _ALIASES.items() for alias in aliases}
 # obstore configuration keys passed through unchanged (server-side encryption, requester pays, ...)
 _PASSTHROUGH = ("server_side_encryption", "sse_kms_key_id", "sse_bucket_key_enabled", "request_payer",
                 "conditional_put", "disable_tagging", "disable_bulk_delete")
-_BOOLS = {"allow_http", "virtual_hosted_style_request", "anon"}
-_FLOATS = {"retry_backoff", "max_backoff", "timeout", "connect_timeout"}
-_INTS = {"max_retries", "part_size", "max_concurrency"}
-
-
-def _bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    raise CheckpointError(f"storage option {name!r} must be true or false, not {value!r}")
+SPELLINGS = Spellings("S3", _ALIASES, bools=frozenset({"allow_http", "virtual_hosted_style_request", "anon"}),
+                      floats=frozenset({"retry_backoff", "max_backoff", "timeout", "connect_timeout"}),
+                      ints=frozenset({"max_retries", "part_size", "max_concurrency"}), passthrough=_PASSTHROUGH,
+                      prefix="aws_")
 
 
 def parse_options(options: dict[str, Any] | None) -> S3Options:
@@ -129,64 +124,12 @@ def parse_options(options: dict[str, Any] | None) -> S3Options:
     client_kwargs (s3fs style: region_name, endpoint_url), each with or without the
     ``aws_`` prefix, and obstore's own keys for encryption and requester pays. Unknown keys
     raise a CheckpointError naming them."""
-    opts = S3Options()
-    if not options:
-        return opts
-    items = dict(options)
-    nested = items.pop("client_kwargs", None)
-    if nested is not None:
-        if not isinstance(nested, dict):
-            raise CheckpointError("storage option 'client_kwargs' must be a dict")
-        items.update(nested)
-    unknown = []
-    seen: dict[str, str] = {}
-    for raw, value in items.items():
-        key = str(raw).lower()
-        if key in _PASSTHROUGH or (key.startswith("aws_") and key[4:] in _PASSTHROUGH):
-            opts.extra[key.removeprefix("aws_")] = value
-            continue
-        name = _CANONICAL.get(key)
-        if name is None:
-            unknown.append(str(raw))
-            continue
-        if name in seen:
-            raise CheckpointError(f"storage options {seen[name]!r} and {raw!r} both set {name}")
-        seen[name] = str(raw)
-        if value is None:
-            continue
-        try:
-            if name in _BOOLS:
-                value = _bool(str(raw), value)
-            elif name in _FLOATS:
-                value = float(value)
-            elif name in _INTS:
-                value = int(value)
-            else:
-                value = str(value)
-        except (TypeError, ValueError):
-            raise CheckpointError(f"storage option {raw!r} has a bad value {value!r}") from None
-        setattr(opts, name, value)
-    if unknown:
-        raise CheckpointError(_unknown_options(sorted(unknown)))
+    opts = read_options(S3Options(), options, SPELLINGS)
     if opts.part_size < MIN_PART:
         raise CheckpointError(f"storage option part_size must be at least {MIN_PART} bytes (S3's minimum part)")
     if opts.max_retries < 0 or opts.max_concurrency < 1:
         raise CheckpointError("storage options max_retries must be >= 0 and max_concurrency >= 1")
     return opts
-
-
-def _unknown_options(unknown: list[str]) -> str:
-    """The error message for misspelt or unknown storage option names: the closest
-    accepted names of each first, then every accepted name."""
-    from ..hints import nearest
-
-    known = sorted(_CANONICAL) + ["client_kwargs"] + sorted(_PASSTHROUGH)
-    guesses = []
-    for raw in unknown:
-        near = nearest(raw.lower(), known)
-        guesses.append(f"{raw!r}: did you mean {' or '.join(map(repr, near))}?" if near else f"{raw!r}: no close name")
-    return (f"unknown S3 storage option(s) {', '.join(map(repr, unknown))} ({'; '.join(guesses)}); "
-            f"accepted: {', '.join(known)}")
 
 
 def _env(*names: str) -> str | None:
@@ -457,14 +400,15 @@ class _Bucket:
                                         retry_config={"max_retries": o.max_retries, "backoff": backoff})
 
 
-def _split_url(location: str) -> tuple[str, str]:
+def _split_url(location: str, scheme: str = "s3") -> tuple[str, str]:
     """(bucket, key prefix) of ``s3://bucket/a/b`` (``.`` and ``..`` resolved, empty
-    segments dropped)."""
-    if not location.startswith("s3://"):
-        raise CheckpointError(f"not an s3:// URL: {location!r}")
-    bucket, _, rest = location[5:].partition("/")
+    segments dropped); ``scheme``: another object store's URLs of the same shape."""
+    head = f"{scheme}://"
+    if not location.startswith(head):
+        raise CheckpointError(f"not an {head} URL: {location!r}")
+    bucket, _, rest = location[len(head):].partition("/")
     if not bucket:
-        raise CheckpointError(f"{location}: an s3:// URL names a bucket: s3://bucket/prefix")
+        raise CheckpointError(f"{location}: an {head} URL names a bucket: {head}bucket/prefix")
     parts: list[str] = []
     for seg in rest.split("/"):
         if seg in ("", "."):
@@ -506,6 +450,8 @@ class S3Backend(Backend):
     ``retries`` counts every request retried after a transient failure."""
 
     remote = True
+    scheme = "s3"
+    missing_words = ("NoSuchBucket",)  # in an error: the bucket does not exist
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.opts = parse_options(options)
@@ -521,6 +467,14 @@ class S3Backend(Backend):
             if b is None:
                 b = self._buckets[name] = _Bucket(self, name)
             return b
+
+    def missing(self, bucket: str, context: str) -> BucketNotFoundError:
+        """The error for a bucket that does not exist."""
+        return BucketNotFoundError(bucket, context)
+
+    def is_missing(self, exc: BaseException) -> bool:
+        """True when ``exc`` says the bucket does not exist."""
+        return any(w in str(exc) for w in self.missing_words)
 
     def _count_retry(self) -> None:
         with self._lock:
@@ -539,8 +493,8 @@ class S3Backend(Backend):
             except passthrough:
                 raise
             except Exception as exc:
-                if "NoSuchBucket" in str(exc):
-                    raise BucketNotFoundError(where[5:].partition("/")[0], f"cannot {what} {where}") from exc
+                if self.is_missing(exc):
+                    raise self.missing(where.partition("://")[2].partition("/")[0], f"cannot {what} {where}") from exc
                 if not _transient(exc):
                     raise _storage_error(exc, what, where) from exc
                 if attempt >= o.max_retries:
@@ -553,21 +507,24 @@ class S3Backend(Backend):
                 time.sleep(delay / 2 + random.uniform(0, delay / 2))
 
     # -- Backend ------------------------------------------------------------------------
+    def _folder(self, bucket: str, prefix: str) -> S3Folder:
+        return S3Folder(self, self.bucket(bucket), prefix)
+
     def open(self, location: str, create: bool = False) -> Folder:
-        bucket, prefix = _split_url(location)
-        folder = S3Folder(self, self.bucket(bucket), prefix)
+        bucket, prefix = _split_url(location, self.scheme)
+        folder = self._folder(bucket, prefix)
         if not create:
             folder.check_exists()
         return folder
 
     def split(self, location: str) -> tuple[str, str]:
-        bucket, prefix = _split_url(location)
+        bucket, prefix = _split_url(location, self.scheme)
         parent, _, name = prefix.rpartition("/")
-        return (f"s3://{bucket}/{parent}" if parent else f"s3://{bucket}"), name
+        return (f"{self.scheme}://{bucket}/{parent}" if parent else f"{self.scheme}://{bucket}"), name
 
     def exists(self, location: str) -> bool:
-        bucket, prefix = _split_url(location)
-        folder = S3Folder(self, self.bucket(bucket), prefix)
+        bucket, prefix = _split_url(location, self.scheme)
+        folder = self._folder(bucket, prefix)
         try:
             folder.check_exists(files=True)
         except CheckpointNotFoundError:
@@ -577,13 +534,17 @@ class S3Backend(Backend):
 
 # -- folders -----------------------------------------------------------------------------------
 class S3Folder(Folder):
-    """The objects and sub-prefixes below ``prefix/`` in a bucket."""
+    """The objects and sub-prefixes below ``prefix/`` in a bucket; commits in place
+    (manifest last, conditional PUT: :class:`~shardsafe.storage.commit.InPlaceCommit`)."""
 
-    def __init__(self, backend: S3Backend, bucket: _Bucket, prefix: str) -> None:
+    commit = IN_PLACE
+
+    def __init__(self, backend: S3Backend, bucket: Any, prefix: str) -> None:
         self.backend = backend
         self.b = bucket
         self.prefix = prefix
-        self.location = f"s3://{bucket.name}/{prefix}" if prefix else f"s3://{bucket.name}"
+        head = f"{backend.scheme}://{bucket.name}"
+        self.location = f"{head}/{prefix}" if prefix else head
 
     def key(self, name: str) -> str:
         """The object key of entry ``name``."""
@@ -618,8 +579,8 @@ class S3Folder(Folder):
             try:
                 self._first_under(None)
             except StorageError as exc:
-                if exc.errno == errno.ENOENT or "NoSuchBucket" in str(exc):
-                    raise BucketNotFoundError(self.b.name, f"no folder at {self.location}") from None
+                if exc.errno == errno.ENOENT or self.backend.is_missing(exc):
+                    raise self.backend.missing(self.b.name, f"no folder at {self.location}") from None
                 raise
             return
         if self._first_under(self.prefix):
@@ -635,24 +596,18 @@ class S3Folder(Folder):
         raise CheckpointNotFoundError(f"no folder at {self.location}")
 
     # -- entries ------------------------------------------------------------------------
-    def kind(self, name: str) -> Kind | None:
-        if self._head(name) is not None:
-            return "file"
-        return "dir" if self._first_under(self.key(name)) else None
+    def stat(self, name: str) -> Entry | None:
+        meta = self._head(name)
+        if meta is not None:
+            return Entry("file", int(meta["size"]), meta["last_modified"].timestamp())
+        first = self._first_under(self.key(name))
+        return Entry("dir", 0, first[0]["last_modified"].timestamp()) if first else None
 
     def names(self) -> list[str]:
         result = self._call("list", None, lambda: obstore.list_with_delimiter(self.b.store, self.prefix or None))
         out = [p.rpartition("/")[2] for p in result["common_prefixes"]]
         out += [m["path"].rpartition("/")[2] for m in result["objects"]]
         return [n for n in dict.fromkeys(out) if n]
-
-    def size(self, name: str) -> int:
-        meta = self._head(name)
-        if meta is None:
-            if self._first_under(self.key(name)):
-                raise CorruptCheckpointError(f"{self.where(name)} is not a regular file")
-            raise CheckpointNotFoundError(f"{self.where(name)} does not exist")
-        return int(meta["size"])
 
     def mtime(self, name: str) -> float:
         meta = self._head(name)
@@ -750,7 +705,7 @@ class S3Folder(Folder):
 
     # -- folders -------------------------------------------------------------------------
     def open_folder(self, name: str, create: bool = False) -> Folder:
-        folder = S3Folder(self.backend, self.b, self.key(name))
+        folder = type(self)(self.backend, self.b, self.key(name))
         if not create:
             try:
                 folder.check_exists()
@@ -768,25 +723,6 @@ class S3Folder(Folder):
         for i in range(0, len(keys), 1000):
             batch = keys[i: i + 1000]
             self._call("delete", name, lambda batch=batch: obstore.delete(self.b.store, batch))
-
-    def rename(self, src: str, dst: str) -> None:
-        raise StorageError(f"cannot rename {self.where(src)}: S3 has no renames", errno.ENOTSUP, self.where(src))
-
-    def exchange(self, a: str, b: str) -> bool:
-        return False
-
-    def sync(self) -> None:
-        """Nothing to do: a completed PUT is durable."""
-
-    def lock(self, name: str) -> Lock | None:
-        return None
-
-    def locked(self, name: str) -> bool | None:
-        return None
-
-    @property
-    def can_rename(self) -> bool:
-        return False
 
 
 # -- reading -----------------------------------------------------------------------------------

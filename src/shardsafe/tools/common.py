@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ..checkpoint_folder import TMP_MARK, hidden_name, publish
+from ..checkpoint_folder import output_entry, publish
 from ..errors import CheckpointError, MissingKeysError
 from ..storage.base import Backend, Folder
 
@@ -130,10 +130,7 @@ class Output:
         if self.parent.kind(self.name) is not None and not overwrite:
             self.parent.close()
             raise UsageError(f"{location} already exists; pass --overwrite to replace it or choose another {what}")
-        self.in_place = not self.parent.can_rename
-        self.tmp = self.name if self.in_place else hidden_name(self.name, TMP_MARK)
-        if self.in_place and self.parent.kind(self.name) is not None:
-            self.parent.remove_tree(self.name)
+        self.tmp = output_entry(self.parent, self.name)
 
     def folder(self) -> Folder:
         """The temporary folder to build a folder output in (created)."""
@@ -142,16 +139,14 @@ class Output:
     def local_path(self) -> str:
         """The file-system path of the temporary entry, for writers that need one (DCP's);
         UsageError when the output is not on the local file system."""
-        from ..storage.local import LocalBackend
-
-        if not isinstance(self.backend, LocalBackend):
+        path = self.parent.local_path(self.tmp)
+        if path is None:
             raise UsageError(f"{self.location}: this output needs a local path")
-        return self.parent.where(self.tmp)
+        return path
 
     def publish(self) -> None:
         """Put the finished temporary entry at the output's name."""
-        if not self.in_place:
-            publish(self.parent, self.tmp, self.name)
+        publish(self.parent, self.tmp, self.name)  # built in place (object stores): already there
 
     def abort(self) -> None:
         """Remove the temporary entry (never raises)."""

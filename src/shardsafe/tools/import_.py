@@ -75,9 +75,9 @@ class ImportReport:
 
 def _entry(src: Path) -> tuple[Folder, str]:
     """The folder holding ``src`` and its name there (through the storage seam)."""
-    from ..storage.local import LocalBackend
+    from ..storage.urls import local_backend
 
-    backend = LocalBackend()
+    backend = local_backend()
     parent, name = backend.split(str(src))
     try:
         return backend.open(parent), name
@@ -177,9 +177,9 @@ def load_safetensors(src: Path, into: dict[str, torch.Tensor] | None = None,
 
 def load_hf_configs(src: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(config.json, generation_config.json) of a Hugging Face folder, None where absent."""
-    from ..storage.local import LocalBackend
+    from ..storage.urls import local_backend
 
-    backend = LocalBackend()
+    backend = local_backend()
     with backend.open(str(src)) as folder:
         if folder.kind(hf_folder.CONFIG_NAME) != "file":
             return None, None
@@ -253,9 +253,9 @@ def _count(obj: Any) -> tuple[int, int]:
 
 def _committed(out: PathLike) -> bool:
     from ..checkpoint_folder import is_committed
-    from ..storage.local import LocalBackend
+    from ..storage.urls import local_backend
 
-    backend = LocalBackend()
+    backend = local_backend()
     parent, name = backend.split(str(out))
     try:
         with backend.open(parent) as folder:
