@@ -28,7 +28,6 @@ from math import ceil, prod
 from typing import NamedTuple
 
 from ..errors import CheckpointError
-from ..format.file_index import DATA_SUFFIX
 from ..format.rules import Mesh, Rule, parse_placement
 from ..gcpause import gc_paused
 from ..layout import Box, boxes_disjoint, split_rows
@@ -47,7 +46,7 @@ per value (format 3 reads only the indexes it needs)."""
 
 
 @dataclass
-class TensorLayout:
+class HeldTensor:
     """What one rank holds of one tensor."""
 
     key: str
@@ -57,7 +56,7 @@ class TensorLayout:
     kind: str  # replicated | sharded | rank_local
     boxes: list[Box]  # this rank's boxes (of a rule tensor: not sent to other ranks)
     rule: RuleKey | None = None  # the layout as a rule, when it is one
-    layout: dict | None = None  # a DTensor's mesh and placements, for reading (explicit layouts)
+    spec: dict | None = None  # a DTensor's mesh and placements, for reading (tensors saved as boxes)
 
     def to_wire_key(self) -> tuple:
         boxes = () if self.rule is not None else tuple((b.offsets, b.lengths) for b in self.boxes)
@@ -68,17 +67,17 @@ class TensorLayout:
         rule = None if self.rule is None else [meshes.setdefault(self.rule[0], len(meshes)),
                                                [list(p) for p in self.rule[1]]]
         boxes = None if self.rule is not None else [[list(b.offsets), list(b.lengths)] for b in self.boxes]
-        return [self.key, self.dtype, list(self.shape), self.itemsize, self.kind, boxes, rule, self.layout]
+        return [self.key, self.dtype, list(self.shape), self.itemsize, self.kind, boxes, rule, self.spec]
 
     @staticmethod
-    def from_wire(w: list, meshes: list[MeshKey]) -> TensorLayout:
-        key, dtype, shape, itemsize, kind, boxes, rule, layout = w
+    def from_wire(w: list, meshes: list[MeshKey]) -> HeldTensor:
+        key, dtype, shape, itemsize, kind, boxes, rule, spec = w
         rule_key = None if rule is None else (meshes[rule[0]], tuple(tuple(p) for p in rule[1]))
-        return TensorLayout(key, dtype, tuple(shape), itemsize, kind,
-                            [] if boxes is None else [Box(tuple(o), tuple(n)) for o, n in boxes], rule_key, layout)
+        return HeldTensor(key, dtype, tuple(shape), itemsize, kind,
+                            [] if boxes is None else [Box(tuple(o), tuple(n)) for o, n in boxes], rule_key, spec)
 
 
-def wire_of(layouts: list[TensorLayout]) -> bytes:
+def wire_of(layouts: list[HeldTensor]) -> bytes:
     """A rank's layouts as JSON bytes (what ranks exchange to plan; no pickle)."""
     meshes: dict[MeshKey, int] = {}
     tensors = [tl.to_wire(meshes) for tl in layouts]
@@ -86,11 +85,11 @@ def wire_of(layouts: list[TensorLayout]) -> bytes:
                        "tensors": tensors}, separators=(",", ":")).encode()
 
 
-def layouts_of_wire(data: bytes) -> list[TensorLayout]:
+def held_of_wire(data: bytes) -> list[HeldTensor]:
     """The inverse of :func:`wire_of`."""
     body = json.loads(data)
     meshes = [(tuple(s), tuple(r), None if n is None else tuple(n)) for s, r, n in body["meshes"]]
-    return [TensorLayout.from_wire(w, meshes) for w in body["tensors"]]
+    return [HeldTensor.from_wire(w, meshes) for w in body["tensors"]]
 
 
 def rule_of(key: RuleKey, shape: tuple[int, ...], salt: int = 0) -> Rule:
@@ -116,13 +115,13 @@ class GlobalPlan:
     by_rank: list[list[Assignment]] = field(default_factory=list)  # explicit boxes only
     bytes_by_rank: list[int] = field(default_factory=list)  # of explicit boxes
     rules: dict[str, Rule] = field(default_factory=dict)  # tensors whose chunks follow from a rule
-    layouts: dict[str, dict] = field(default_factory=dict)  # DTensors without a rule: mesh and placements
+    specs: dict[str, dict] = field(default_factory=dict)  # DTensors without a rule: mesh and placements
 
     def ordinal(self) -> dict[str, int]:
         """Each tensor's place in the manifest (sorted keys)."""
         return {k: i for i, k in enumerate(self.tensors)}
 
-    def assignments(self, rank: int, layouts: list[TensorLayout], local: list[TensorLayout]) -> list[Assignment]:
+    def assignments(self, rank: int, layouts: list[HeldTensor], local: list[HeldTensor]) -> list[Assignment]:
         """What ``rank`` writes, in file order: its explicit boxes, the boxes it holds of rule
         tensors that the rule gives to it, then its rank-local tensors."""
         order = self.ordinal()
@@ -165,7 +164,7 @@ class FileWrite:
         return self.chunks[-1].end if self.chunks else len(self.header)
 
 
-def layout_file(name: str, rank: int, assignments: list[Assignment], codes: dict[str, str],
+def plan_file(name: str, rank: int, assignments: list[Assignment], codes: dict[str, str],
                 itemsizes: dict[str, int]) -> FileWrite:
     """Where each assigned chunk goes in data file ``name``: the safetensors header (chunk
     names made unique) and every chunk's byte range, in assignment order."""
@@ -178,25 +177,18 @@ def layout_file(name: str, rank: int, assignments: list[Assignment], codes: dict
     return FileWrite(name, rank, header, chunks)
 
 
-def data_file_name(rank: int, index: int = 0, save_id: str = "") -> str:
-    """Data file names: ``data-r<rank>-<index>.safetensors``, zero padded; with a save id
-    (saves on backends without renames, whose files sit beside the previous checkpoint's
-    until the commit): ``data-r<rank>-<index><save_id>.safetensors``."""
-    return f"data-r{rank:05d}-{index:02d}{save_id}{DATA_SUFFIX}"
-
-
-def layout_digest(layouts: list[list[tuple]]) -> str:
+def plan_key(layouts: list[list[tuple]]) -> str:
     """A digest of all ranks' layouts: equal digests give equal plans (plan cache key)."""
     return hashlib.sha256(json.dumps(layouts, default=list).encode()).hexdigest()
 
 
-def plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None = None) -> GlobalPlan:
+def plan_global(layouts: list[list[HeldTensor]], signatures: list[str] | None = None) -> GlobalPlan:
     """See :func:`_plan_global` (run with the cyclic GC paused)."""
     with gc_paused():
         return _plan_global(layouts, signatures)
 
 
-def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None = None) -> GlobalPlan:
+def _plan_global(layouts: list[list[HeldTensor]], signatures: list[str] | None = None) -> GlobalPlan:
     """The deterministic global write plan for the gathered per-rank layouts.
 
     Ranks with identical layouts (the usual SPMD case for replicated state) are planned
@@ -218,7 +210,7 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
     first_rank: dict[str, int] = {}
     rules: dict[str, list[RuleKey]] = {}  # several: the same layout on disjoint meshes (replicas)
     rule_groups: dict[str, list[int]] = {}  # rule tensor -> leaders of the groups that hold it
-    dlayouts: dict[str, dict] = {}
+    specs: dict[str, dict] = {}
     for leader, ranks in groups.items():
         for tl in layouts[leader]:
             meta = (tl.dtype, tl.shape, tl.kind)
@@ -232,8 +224,8 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
                     f"tensor '{tl.key}': rank {first_rank[tl.key]} has {_describe(known)}, "
                     f"rank {leader} has {_describe(meta)}"
                 )
-            if tl.layout is not None:
-                dlayouts.setdefault(tl.key, tl.layout)
+            if tl.spec is not None:
+                specs.setdefault(tl.key, tl.spec)
             if tl.rule is not None:
                 seen = rules.setdefault(tl.key, [])
                 if tl.rule not in seen:
@@ -349,7 +341,7 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
             rotation += rule.count()
         planned[key] = rule
     return GlobalPlan(world, {k: tensors[k] for k in sorted(tensors)}, by_rank, load, planned,
-                      {k: v for k, v in dlayouts.items() if k not in rules})
+                      {k: v for k, v in specs.items() if k not in rules})
 
 
 def _replicas_rule(key: str, keys: list[RuleKey]) -> RuleKey:
