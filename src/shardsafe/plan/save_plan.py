@@ -77,10 +77,10 @@ class HeldTensor:
                             [] if boxes is None else [Box(tuple(o), tuple(n)) for o, n in boxes], rule_key, spec)
 
 
-def wire_of(layouts: list[HeldTensor]) -> bytes:
-    """A rank's layouts as JSON bytes (what ranks exchange to plan; no pickle)."""
+def wire_of(held: list[HeldTensor]) -> bytes:
+    """What a rank holds, as JSON bytes (what ranks exchange to plan; no pickle)."""
     meshes: dict[MeshKey, int] = {}
-    tensors = [tl.to_wire(meshes) for tl in layouts]
+    tensors = [tl.to_wire(meshes) for tl in held]
     return json.dumps({"meshes": [[list(m[0]), list(m[1]), None if m[2] is None else list(m[2])] for m in meshes],
                        "tensors": tensors}, separators=(",", ":")).encode()
 
@@ -121,12 +121,12 @@ class GlobalPlan:
         """Each tensor's place in the manifest (sorted keys)."""
         return {k: i for i, k in enumerate(self.tensors)}
 
-    def assignments(self, rank: int, layouts: list[HeldTensor], local: list[HeldTensor]) -> list[Assignment]:
+    def assignments(self, rank: int, held: list[HeldTensor], local: list[HeldTensor]) -> list[Assignment]:
         """What ``rank`` writes, in file order: its explicit boxes, the boxes it holds of rule
         tensors that the rule gives to it, then its rank-local tensors."""
         order = self.ordinal()
         out = list(self.by_rank[rank])
-        for tl in layouts:
+        for tl in held:
             rule = self.rules.get(tl.key)
             if rule is not None:
                 whole = Box.whole(tl.shape)
@@ -177,9 +177,10 @@ def plan_file(name: str, rank: int, assignments: list[Assignment], codes: dict[s
     return FileWrite(name, rank, header, chunks)
 
 
-def plan_key(layouts: list[list[tuple]]) -> str:
-    """A digest of all ranks' layouts: equal digests give equal plans (plan cache key)."""
-    return hashlib.sha256(json.dumps(layouts, default=list).encode()).hexdigest()
+def plan_key(signatures: list[list[str]]) -> str:
+    """A digest of all ranks' holdings' signatures: equal digests give equal plans (the
+    plan cache's key)."""
+    return hashlib.sha256(json.dumps(signatures, default=list).encode()).hexdigest()
 
 
 def plan_global(held: list[list[HeldTensor]], signatures: list[str] | None = None) -> GlobalPlan:
