@@ -36,7 +36,7 @@ at the end, also on error):
      median of per-repetition time ratios incremental / full <= 1.03. The wall time of a
      665 MB save swings by +-10-20% from save to save here, so this part runs --dense-reps
      repetitions (default 3 x --reps). Beside it, what the incremental save spends in the
-     two functions that make it one (shardsafe.ops.save.open_base and _refer, timed by
+     two functions that make it one (shardsafe.ops.incremental.open_base and refer, timed by
      wrapping them: reading the base's manifest and indexes, hashing first blocks, whole
      chunks where the first blocks agree), as a share of the full save's time: the
      overhead without the disk's noise. Also the share of bytes referred
@@ -270,16 +270,16 @@ def raw_write(path: Path, ts: list[torch.Tensor]) -> int:
 
 
 class RefTimer:
-    """Wall seconds spent in ``shardsafe.ops.save.open_base`` and ``shardsafe.ops.save._refer``:
+    """Wall seconds spent in ``shardsafe.ops.incremental.open_base`` and ``refer``:
     reading the base's manifest and indexes, hashing first blocks (and whole chunks where
     those agree) to find the unchanged chunks, agreeing on the referenced files: the work an
     incremental save adds to a full one. Measured by wrapping the two functions (src/ is not
     modified); ``available`` is False if this shardsafe has no such functions."""
 
-    NAMES = ("open_base", "_refer")
+    NAMES = ("open_base", "refer")
 
     def __init__(self) -> None:
-        import shardsafe.ops.save as saving
+        import shardsafe.ops.incremental as saving
 
         self.module = saving
         self.available = all(callable(getattr(saving, n, None)) for n in self.NAMES)

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_planning.py [--reps N] [--quick] [--out FILE]
 
-Cases (TensorLayout lists are built directly, as ``api._plan`` would after gathering):
+Cases (HeldTensor lists are built directly, as ``api._plan`` would after gathering):
   * DDP-like: T tensors (T = 1k, 10k, 100k), all replicated on every one of 1024 ranks.
     Every rank has the same layout list and the same signature string, so plan_global
     plans them as one group. Tensor sizes: mostly 256 B - 1 MiB, plus one 128 MiB
@@ -63,10 +63,11 @@ from _dist_common import loadavg, source_state, verdict  # noqa: E402
 
 import shardsafe.format.manifest as manifest_mod  # noqa: E402
 from shardsafe.format.checksum import checksum  # noqa: E402
+from shardsafe.format.file_index import data_name  # noqa: E402
 from shardsafe.format.manifest import _TRAILER, Chunk, FileEntry, Manifest, TensorEntry  # noqa: E402
 from shardsafe.layout import Box  # noqa: E402
 from shardsafe.plan.load_plan import plan_reads  # noqa: E402
-from shardsafe.plan.save_plan import GlobalPlan, TensorLayout, data_file_name, plan_global  # noqa: E402
+from shardsafe.plan.save_plan import GlobalPlan, HeldTensor, plan_global  # noqa: E402
 from shardsafe.state.match import Fill  # noqa: E402
 
 WORLD = 1024
@@ -113,21 +114,21 @@ def timed(fn: Callable[[], Any], reps: int, gc_on: bool = True) -> tuple[Timing,
 # --------------------------------------------------------------------------- layouts
 
 
-def ddp_layouts(n: int) -> tuple[list[list[TensorLayout]], list[str]]:
+def ddp_layouts(n: int) -> tuple[list[list[HeldTensor]], list[str]]:
     rng = random.Random(n)
     rows_choices = [1, 4, 16, 64, 256, 1024, 4096]  # x 64 float32 columns: 256 B .. 1 MiB
-    tls: list[TensorLayout] = []
+    tls: list[HeldTensor] = []
     for i in range(n):
         if i % 1000 == 999:
             shape: tuple[int, ...] = (32768, 1024)  # 128 MiB
         else:
             shape = (rng.choice(rows_choices), 64)
         key = f"model.layers.{i // 16}.sub{i % 16}.weight"
-        tls.append(TensorLayout(key, "float32", shape, 4, "replicated", [Box.whole(shape)]))
+        tls.append(HeldTensor(key, "float32", shape, 4, "replicated", [Box.whole(shape)]))
     return [tls] * WORLD, ["ddp"] * WORLD
 
 
-def fsdp_layouts(k: int) -> tuple[list[list[TensorLayout]], list[str]]:
+def fsdp_layouts(k: int) -> tuple[list[list[HeldTensor]], list[str]]:
     rows_per_rank, cols = 4, 1024  # each tensor [4096, 1024] float32, 16 KiB per rank
     layouts = []
     for r in range(WORLD):
@@ -135,7 +136,7 @@ def fsdp_layouts(k: int) -> tuple[list[list[TensorLayout]], list[str]]:
         for i in range(k):
             shape = (rows_per_rank * WORLD, cols)
             box = Box((r * rows_per_rank, 0), (rows_per_rank, cols))
-            tls.append(TensorLayout(f"model.layers.{i // 8}.w{i % 8}.weight", "float32", shape, 4, "sharded", [box]))
+            tls.append(HeldTensor(f"model.layers.{i // 8}.w{i % 8}.weight", "float32", shape, 4, "sharded", [box]))
         layouts.append(tls)
     return layouts, [f"rank{r}" for r in range(WORLD)]
 
@@ -177,7 +178,7 @@ def build_manifest(plan: GlobalPlan, sharded: bool) -> Manifest:
             n += len(sums)
             tensors[a.key].chunks.append(Chunk(a.box.offsets, a.box.lengths, index, pos, pos + nbytes, sums, rank))
             pos += nbytes
-        files.append(FileEntry(data_file_name(rank), pos, rank, header, _fake_sum(rank)))
+        files.append(FileEntry(data_name(rank), pos, rank, header, _fake_sum(rank)))
     for entry in tensors.values():
         entry.chunks.sort(key=lambda c: c.offsets)
     return Manifest(tree=_tree(list(tensors)), tensors=tensors, files=files, world_size=WORLD,
@@ -251,7 +252,7 @@ def profile_parse(data: bytes, top: int = 10) -> str:
 # --------------------------------------------------------------------------- run
 
 
-def reference_pass(layouts: list[list[TensorLayout]]) -> dict:
+def reference_pass(layouts: list[list[HeldTensor]]) -> dict:
     """The least any planner does, as a yardstick of this machine's memory hierarchy:
     one pass that touches every distinct layout list, layout and box once and records
     each box's bytes in a dict. Linear by construction, so its growth exponent is what

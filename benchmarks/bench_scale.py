@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_scale.py [--quick] [--reps N] [--out FILE]
 
 Drives the real save planner (``plan_global`` over every rank's layout, as gathered),
-index writer (``layout_file`` + ``build_index`` for the ranks a measured load reads),
+index writer (``plan_file`` + ``build_index`` for the ranks a measured load reads),
 manifest builder (``build_manifest`` from per-rank summaries, ``Manifest.to_bytes``),
 manifest and index reader (``Manifest.from_bytes``, ``load_indexes``) and load planner
 (``plan_reads`` + ``block_checks``) for a Llama-3-405B-shaped state (126 layers, dim 16384,
@@ -44,13 +44,14 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
 from shardsafe.format.chunk_table import Chunk  # noqa: E402
-from shardsafe.format.file_index import IndexedChunk, build_index, index_name  # noqa: E402
+from shardsafe.format.file_index import IndexedChunk, build_index, data_name, index_name  # noqa: E402
 from shardsafe.format.manifest import FileEntry, Manifest, TensorEntry  # noqa: E402
 from shardsafe.gcpause import gc_paused  # noqa: E402
 from shardsafe.layout import Box  # noqa: E402
-from shardsafe.ops.save import CHECKSUM_BLOCK, build_manifest  # noqa: E402
+from shardsafe.ops.commit import build_manifest  # noqa: E402
+from shardsafe.ops.save import CHECKSUM_BLOCK  # noqa: E402
 from shardsafe.plan.load_plan import Dest, block_checks, plan_reads  # noqa: E402
-from shardsafe.plan.save_plan import TensorLayout, data_file_name, layout_file, plan_global  # noqa: E402
+from shardsafe.plan.save_plan import HeldTensor, plan_file, plan_global  # noqa: E402
 from shardsafe.state.sharding import pieces_for  # noqa: E402
 
 LAYERS, DIM, FFN, VOCAB, KV = 126, 16384, 53248, 128256, 1024
@@ -121,7 +122,7 @@ class Layout:
         stage, inner = divmod(rank, self.dp * self.tp)
         return stage, ([inner // self.tp, inner % self.tp] if self.tp > 1 else [inner])
 
-    def stage_layouts(self, stage: int, rank: int | None = None) -> list[TensorLayout]:
+    def stage_layouts(self, stage: int, rank: int | None = None) -> list[HeldTensor]:
         """What a rank of ``stage`` describes (its boxes only when ``rank`` is given)."""
         base = stage * self.dp * self.tp
         mesh = (self.mesh_shape(), tuple(range(base, base + self.dp * self.tp)),
@@ -133,8 +134,8 @@ class Layout:
             boxes = [] if coord is None else [p.box for p in pieces_for(shape, self.mesh_shape(), coord,
                                                                           self.torch_placements(style))]
             for k in (key, f"optimizer.state.{key}.exp_avg", f"optimizer.state.{key}.exp_avg_sq"):
-                out.append(TensorLayout(k, "float32", shape, 4, "sharded", boxes, rule))
-            out.append(TensorLayout(f"optimizer.state.{key}.step", "float32", (), 4, "replicated",
+                out.append(HeldTensor(k, "float32", shape, 4, "sharded", boxes, rule))
+            out.append(HeldTensor(f"optimizer.state.{key}.step", "float32", (), 4, "replicated",
                                     [Box((), ())]))
         return out
 
@@ -180,7 +181,7 @@ def rank_index(lay: Layout, plan: Any, rank: int) -> tuple[int, bytes]:
     assigned = plan.assignments(rank, layouts, [])
     codes = {tl.key: "F32" for tl in layouts}
     sizes = {tl.key: 4 for tl in layouts}
-    fw = layout_file(data_file_name(rank, 0, FILE_ID), rank, assigned, codes, sizes)
+    fw = plan_file(data_name(rank, FILE_ID), rank, assigned, codes, sizes)
     order = plan.ordinal()
     chunks = [IndexedChunk(order[c.key], c.box.offsets, c.box.lengths, c.start, c.end,
                            [format(rank * 7919 + i, "016x") for i in range(max(1, -(-(c.end - c.start) // BLOCK)))])
@@ -227,7 +228,7 @@ def run_case(lay: Layout, target: Layout, reps: int, v2: bool = False) -> dict[s
         "manifest_bytes": len(manifest_bytes), "index_bytes": len(indexes[rank][1]),
         "index_bytes_rank0": len(indexes[0][1]),
     }
-    by_name = {index_name(data_file_name(r, 0, FILE_ID)): data for r, (_, data) in indexes.items()}
+    by_name = {index_name(data_name(r, FILE_ID)): data for r, (_, data) in indexes.items()}
     for label, dests in loads.items():
         out[label] = measure_load_in_fresh_process(manifest_bytes, dests, by_name, reps)
     out["chunks"] = sum(e.chunk_count for e in Manifest.from_bytes(manifest_bytes).tensors.values())

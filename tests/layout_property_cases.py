@@ -154,7 +154,7 @@ def _fit(layout: Layout) -> Layout:
 def commit_check_case(rank: int, world: int, root: str) -> bool:
     """A rule the reader refuses (split factor above the world size), with the writer's
     fallback to explicit boxes switched off: the commit's parse must refuse it."""
-    from shardsafe.ops import save as saving
+    from shardsafe.ops import describe as saving
 
     layout = Layout((world,), (20, 2), torch.float32, (("SS", 0, 3 * world + 1),))
     t = distribute(layout, torch.arange(40.0).view(20, 2))

@@ -24,7 +24,7 @@ from format2 import as_format2
 from shardsafe.format.checksum import checksum
 from shardsafe.format.manifest import _TRAILER, MANIFEST_NAME
 from shardsafe.layout import Box
-from shardsafe.plan.save_plan import Assignment, TensorLayout, layout_file, plan_global
+from shardsafe.plan.save_plan import Assignment, HeldTensor, plan_file, plan_global
 from shardsafe.storage.faults import Fault, FaultyBackend
 from shardsafe.tools import diff_checkpoints, export_checkpoint
 
@@ -229,8 +229,8 @@ def test_export_torch_keeps_list_indices(tmp_path):
 def test_save_refuses_overlap_plus_hole_of_the_same_size():
     """Two ranks' shards [0:2] and [1:3] of a 4-element tensor hold 4 elements between
     them, but overlap at 1 and leave 3 uncovered: refused at save, naming the tensor."""
-    layouts = [[TensorLayout("w", "float32", (4,), 4, "sharded", [Box((0,), (2,))])],
-               [TensorLayout("w", "float32", (4,), 4, "sharded", [Box((1,), (2,))])]]
+    layouts = [[HeldTensor("w", "float32", (4,), 4, "sharded", [Box((0,), (2,))])],
+               [HeldTensor("w", "float32", (4,), 4, "sharded", [Box((1,), (2,))])]]
     with pytest.raises(shardsafe.CheckpointError, match="tensor 'w'.*overlap"):
         plan_global(layouts)
     layouts[1][0].boxes = [Box((2,), (2,))]
@@ -245,7 +245,7 @@ def test_chunk_names_never_collide_in_a_data_file(tmp_path):
     from safetensors import safe_open
 
     assignments = [Assignment("a", Box((0,), (2,)), False), Assignment("a@0", Box((0,), (3,)), True)]
-    plan = layout_file("f.safetensors", 0, assignments, {"a": "F32", "a@0": "F32"}, {"a": 4, "a@0": 4})
+    plan = plan_file("f.safetensors", 0, assignments, {"a": "F32", "a@0": "F32"}, {"a": 4, "a@0": 4})
     raw = plan.header + b"\0" * (plan.size - len(plan.header))
     (tmp_path / "f.safetensors").write_bytes(raw)
     with safe_open(str(tmp_path / "f.safetensors"), "pt") as f:
@@ -467,9 +467,9 @@ def test_load_broadcasts_replicated_tensors(pg_pool, tmp_path):
 def test_small_replicated_values_are_packed_onto_the_lowest_holders():
     """Replicated boxes under 64 KiB go to the lowest holders, 16 MiB each (a load then
     reads few indexes); larger ones are still balanced."""
-    small = [TensorLayout(f"s{i:04d}", "float32", (8192,), 4, "replicated", [Box((0,), (8192,))])
+    small = [HeldTensor(f"s{i:04d}", "float32", (8192,), 4, "replicated", [Box((0,), (8192,))])
              for i in range(600)]  # 600 x ~32 KiB = ~19 MiB
-    big = [TensorLayout(f"b{i}", "float32", (1 << 18,), 4, "replicated", [Box((0,), (1 << 18,))]) for i in range(4)]
+    big = [HeldTensor(f"b{i}", "float32", (1 << 18,), 4, "replicated", [Box((0,), (1 << 18,))]) for i in range(4)]
     plan = plan_global([small + big] * 4, ["same"] * 4)
     writer = {a.key: r for r, items in enumerate(plan.by_rank) for a in items}
     packed = [writer[f"s{i:04d}"] for i in range(600)]

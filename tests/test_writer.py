@@ -15,7 +15,7 @@ from shardsafe.engine.memory import HostMemory
 from shardsafe.format.checksum import checksum
 from shardsafe.format.dtypes import safetensors_code
 from shardsafe.layout import Box
-from shardsafe.plan.save_plan import Assignment, layout_file
+from shardsafe.plan.save_plan import Assignment, plan_file
 from shardsafe.storage.local import LocalBackend, LocalFolder
 
 
@@ -33,7 +33,7 @@ def _write(tmp_path, sources, *, borrow, threads, staging, memory=None):
     assignments = [Assignment(k, Box.whole(sources[k].shape), True) for k in keys]
     codes = {k: safetensors_code(sources[k].dtype) for k in keys}
     sizes = {k: sources[k].element_size() for k in keys}
-    plan = layout_file("f.safetensors", 0, assignments, codes, sizes)
+    plan = plan_file("f.safetensors", 0, assignments, codes, sizes)
     block = 4096
     with LocalBackend().open(str(tmp_path)) as folder:
         w = writer.FileWriter(folder, plan, lambda c: sources[c.key], memory or HostMemory(), block=block,

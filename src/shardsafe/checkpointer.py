@@ -2,7 +2,8 @@
 
 It holds the storage backends, the per-rank host-memory budget (and the staging buffers
 it keeps for reuse), the plan cache, the dedicated process groups of async saves and the
-async save in flight, and wires the phases of ``saving`` and ``loading`` to the engine.
+async save in flight. A save delegates to ``ops.save`` (a sync save is the same run as an
+async one, awaited by its caller); a load wires the phases of ``ops.load`` to the engine.
 ``close()`` waits for pending work and releases it all. The module-level functions
 (``shardsafe.save``, ``load``, ``async_save``, ...) use a default Checkpointer; a
 ``CheckpointManager`` owns one of its own.
@@ -27,7 +28,6 @@ import torch.distributed as dist
 from .comm import Comm, destroy_groups, resolve
 from .engine.memory import HostMemory
 from .engine.reader import OpenFiles, Reader
-from .engine.writer import FileWriter
 from .errors import CheckpointChangedError, CheckpointError
 from .exit_settle import guard_destroy, settle_gloo_workers
 from .format.manifest import Manifest
@@ -46,17 +46,7 @@ from .ops.load import (
     plan_phase,
     read_manifest_phase,
 )
-from .ops.save import (
-    CHECKSUM_BLOCK,
-    FileResult,
-    PlanCache,
-    PreparedSave,
-    SaveInfo,
-    file_result,
-    finish,
-    prepare,
-    remember,
-)
+from .ops.save import PlanCache, SaveInfo, SaveRequest, StagedSave, StagePolicy, complete, stage_policy, start
 from .plan.share_plan import Shared, plan_sharing
 from .state.context import active_group
 from .state.match import Fill, Matcher
@@ -66,7 +56,6 @@ from .storage.urls import OBJECT_SCHEMES, default_backends
 from .storage.urls import resolve as resolve_location
 
 PathLike = str | os.PathLike
-SYNC_STAGING = 128 << 20  # a sync save stages (GPU / non-dense tensors) through at most this much
 LOAD_RETRIES = 3  # a load that sees its checkpoint replaced mid-way starts again this often
 
 
@@ -175,49 +164,13 @@ class Checkpointer:
              process_group: Any = None, check_replicas: bool | None = None,
              storage_options: dict[str, Any] | None = None, base: PathLike | None = None,
              version_skip: bool = False) -> SaveInfo:
-        """Save ``state_dict`` at ``path`` crash-safely; see :func:`shardsafe.save`."""
+        """Save ``state_dict`` at ``path`` crash-safely; see :func:`shardsafe.save`. The
+        save in the background of :meth:`async_save`, awaited by the caller."""
         self._check_open()
         comm = resolve(process_group)
-        backend, location = self.locate(path, storage_options)
-        base_location = self._base(backend, base, storage_options)
-        memo = self.memo if version_skip else None
-        if memo is None:
-            self.memo.replace({})  # the memo answers for the last save only (and holds its storages)
-        with active_group(comm.group, comm.rank, comm.world):
-            prep = prepare(state_dict, backend, location, overwrite, comm, self.plans, _check(check_replicas),
-                           base_location, memo)
-        results: list[FileResult] = []
-        error: BaseException | None = None
-        try:
-            if prep.error is not None:
-                raise prep.error
-            if prep.mine is not None:
-                assert prep.staging is not None
-                writer = FileWriter(prep.staging, prep.mine, prep.described.source, self.memory, block=CHECKSUM_BLOCK,
-                                    borrow=True, threads=self.write_threads - 1, pin=self.pin_memory,
-                                    staging_bytes=SYNC_STAGING)
-                writer.start()
-                try:
-                    writer.stage()
-                except BaseException as exc:
-                    writer.abort(exc)
-                    raise
-                results = [file_result(prep, writer.finish(help_write=True))]
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by finish()
-            error = exc
-        info = finish(prep, results, error)
-        if memo is not None:
-            remember(prep, memo)
-        return info
-
-    def _base(self, backend: Backend, base: PathLike | None, storage_options: dict[str, Any] | None) -> str | None:
-        """The location of an incremental save's base (on the same backend as the save)."""
-        if base is None:
-            return None
-        base_backend, location = self.locate(base, storage_options)
-        if base_backend is not backend:
-            raise CheckpointError(f"base checkpoint {base} is on another storage than the new checkpoint")
-        return location
+        staged = self._start(state_dict, path, comm, comm.group, stage_policy(True, self.write_threads),
+                             overwrite, check_replicas, storage_options, base, version_skip)
+        return complete(staged)
 
     def async_save(self, state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
                    process_group: Any = None, max_staging_bytes: int | None = None,
@@ -227,43 +180,41 @@ class Checkpointer:
         self._check_open()
         self.wait()
         comm = self._async_comm(process_group)
+        staged = self._start(state_dict, path, comm, resolve(process_group).group,
+                             stage_policy(False, self.write_threads, max_staging_bytes), overwrite, check_replicas,
+                             storage_options, base, version_skip)
+        future = SaveFuture(staged.prep.location)
+        future.stage_seconds = staged.seconds
+        future._staged.set()
+        thread = threading.Thread(target=_complete_into, args=(staged, future), name="shardsafe-commit", daemon=True)
+        future._thread = thread
+        self.pending = future
+        thread.start()
+        if staged.error is not None and not comm.distributed:
+            self.wait()
+        return future
+
+    def _start(self, state_dict: dict[str, Any], path: PathLike, comm: Comm, group: Any, policy: StagePolicy,
+               overwrite: bool, check_replicas: bool | None, storage_options: dict[str, Any] | None,
+               base: PathLike | None, version_skip: bool) -> StagedSave:
+        """Phases 1-3 of a save (:func:`~shardsafe.ops.save.start`) with this Checkpointer's
+        backends, plan cache, memory budget and version memo."""
         backend, location = self.locate(path, storage_options)
         base_location = self._base(backend, base, storage_options)
         memo = self.memo if version_skip else None
         if memo is None:
-            self.memo.replace({})
-        with active_group(resolve(process_group).group, comm.rank, comm.world):
-            prep = prepare(state_dict, backend, location, overwrite, comm, self.plans, _check(check_replicas),
-                           base_location, memo)
-        future = SaveFuture(location)
-        t0 = time.perf_counter()
-        writer: FileWriter | None = None
-        stage_error: BaseException | None = None
-        try:
-            if prep.error is not None:
-                raise prep.error
-            if prep.mine is not None:
-                assert prep.staging is not None
-                writer = FileWriter(prep.staging, prep.mine, prep.described.source, self.memory, block=CHECKSUM_BLOCK,
-                                    borrow=False, threads=1, pin=self.pin_memory, staging_bytes=max_staging_bytes,
-                                    write_while_staging=False)
-                writer.start()
-                writer.stage()
-        except BaseException as exc:  # noqa: BLE001 - the commit step reports it to every rank
-            stage_error = exc
-            if writer is not None:
-                writer.abort(exc)
-                writer = None
-        future.stage_seconds = time.perf_counter() - t0
-        future._staged.set()
-        thread = threading.Thread(target=_finish_async, args=(prep, writer, stage_error, future, memo),
-                                  name="shardsafe-commit", daemon=True)
-        future._thread = thread
-        self.pending = future
-        thread.start()
-        if stage_error is not None and not comm.distributed:
-            self.wait()
-        return future
+            self.memo.replace({})  # the memo answers for the last save only (and holds its storages)
+        request = SaveRequest(state_dict, backend, location, overwrite, _check(check_replicas), base_location, memo)
+        return start(request, comm, group, self.plans, self.memory, policy, self.pin_memory)
+
+    def _base(self, backend: Backend, base: PathLike | None, storage_options: dict[str, Any] | None) -> str | None:
+        """The location of an incremental save's base (on the same backend as the save)."""
+        if base is None:
+            return None
+        base_backend, location = self.locate(base, storage_options)
+        if base_backend is not backend:
+            raise CheckpointError(f"base checkpoint {base} is on another storage than the new checkpoint")
+        return location
 
     def wait(self) -> SaveInfo | None:
         """Wait for the async save in flight; raises its error if it failed (once)."""
@@ -446,7 +397,14 @@ class Checkpointer:
         that is not a shardsafe checkpoint, or one that incremental checkpoints beside it
         refer to, is refused (CheckpointError naming them), never deleted. A retired
         checkpoint (docs/incremental.md) that nothing refers to any more is deleted."""
-        from .checkpoint_folder import delete_checkpoint, is_committed, prune_retired, referrers, retired_files
+        from .checkpoint_folder import (
+            check_target,
+            delete_checkpoint,
+            is_committed,
+            prune_retired,
+            referrers,
+            retired_files,
+        )
 
         backend, location = self.locate(path, storage_options)
         parent_location, name = backend.split(location)
@@ -461,15 +419,14 @@ class Checkpointer:
             retired = not is_committed(parent, name) and retired_files(parent, name) is not None
             if not is_committed(parent, name) and not retired:
                 raise CheckpointError(f"{location} is not a shardsafe checkpoint; refusing to delete it")
-            others = referrers(parent, name)
-            if others:
-                raise CheckpointError(
-                    f"{location}: incremental checkpoints refer to its data ({', '.join(others[:5])}"
-                    f"{', ...' if len(others) > 5 else ''}); delete them first, or make them self-contained with "
-                    "'shardsafe copy' (a CheckpointManager's retention keeps what they need by itself)")
-            if retired:  # a retired checkpoint nothing refers to any more
+            if retired:  # kept for the data files incremental checkpoints refer to
+                others = referrers(parent, name)
+                if others:
+                    raise CheckpointError(f"{location} is a retired checkpoint: incremental checkpoints refer to its "
+                                          f"data ({', '.join(others[:5])}); delete them first")
                 prune_retired(parent, name, set())
             else:
+                check_target(parent, name, overwrite=True)  # refused while incremental checkpoints refer to it
                 delete_checkpoint(parent, name)
             return True
 
@@ -557,21 +514,10 @@ def reading_fills(fills: list[Fill], shared: list[Shared], rank: int) -> list[Fi
     return out
 
 
-def _finish_async(prep: PreparedSave, writer: FileWriter | None, error: BaseException | None,
-                  future: SaveFuture, memo: VersionMemo | None = None) -> None:
-    results: list[FileResult] = []
+def _complete_into(staged: StagedSave, future: SaveFuture) -> None:
+    """The commit thread of an async save: phases 4 and 5, their outcome into ``future``."""
     try:
-        if writer is not None:
-            try:
-                written = writer.finish(help_write=False)
-                if error is None:
-                    results = [file_result(prep, written)]
-            except BaseException as exc:  # noqa: BLE001
-                error = error or exc
-        info = finish(prep, results, error)
-        if memo is not None:
-            remember(prep, memo)
-        future._future.set_result(info)
+        future._future.set_result(complete(staged))
     except BaseException as exc:  # noqa: BLE001
         future._future.set_exception(exc)
 

@@ -411,18 +411,3 @@ class SparseFile(io.RawIOBase):
     def pieces(self) -> list[tuple[int, bytearray]]:
         """What was written, as (offset, bytes), in file order."""
         return list(zip(self._starts, self._data))
-
-
-def write_safetensors(folder: Folder, name: str, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` (CPU) as safetensors file ``name`` of ``folder``, durably. Tensors
-    sharing memory (tied weights) are written as separate copies, as safetensors requires."""
-    slots = [Slot(k, k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
-    out = SafetensorsOutput(folder, name, slots, metadata)
-    try:
-        for s in slots:
-            out.write(s, tensors[s.key])
-        out.close()
-    except BaseException:
-        out.abort()
-        raise

@@ -28,10 +28,10 @@ DATA_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".index.json"
 
 
-def data_name(rank: int, file_id: str = "") -> str:
+def data_name(rank: int, file_id: str = "", index: int = 0) -> str:
     """The data file of saving rank ``rank`` in a format-3 checkpoint whose files carry the
     save id ``file_id`` ("" or "." and up to 64 lowercase letters and digits)."""
-    return f"data-r{rank:05d}-00{file_id}{DATA_SUFFIX}"
+    return f"data-r{rank:05d}-{index:02d}{file_id}{DATA_SUFFIX}"
 
 
 def index_name(data_name: str) -> str:

@@ -23,14 +23,19 @@ from typing import Any
 
 import torch
 
+from ..comm import Comm
 from ..engine.buffers import flat_bytes, resolved
+from ..errors import BaseCheckpointError, CheckpointError, CorruptCheckpointError
 from ..format.checksum import checksum
 from ..format.chunk_table import Chunk
 from ..format.file_index import IndexedChunk
 from ..format.manifest import Manifest
 from ..format.refs import RefFile, block_digest, chunk_digest
 from ..layout import Box
-from ..plan.save_plan import Assignment
+from ..plan.save_plan import Assignment, GlobalPlan
+from ..storage.base import Backend
+from .describe import Described
+from .load import Opened, read_manifest_phase
 
 HASH_PIECE = 64 << 20  # accelerator tensors are copied to host this many bytes at a time to be hashed
 
@@ -223,3 +228,84 @@ def reference_rows(found: dict[int, Match], assigned: list[Assignment], ordinal:
 
 
 __all__ = ["Base", "Match", "VersionMemo", "chain_depth", "full_digest", "match", "reference_rows"]
+
+
+# ----------------------------------------------------------------------------- the save's incremental phase
+
+
+def open_base(backend: Backend, location: str, base: str) -> Opened:
+    """The base checkpoint of a save to ``location``: it must be another checkpoint of the
+    same parent folder (references name it by its folder name)."""
+    parent, name = backend.split(location)
+    base_parent, base_name = backend.split(base)
+    if base_parent != parent:
+        raise CheckpointError(f"base checkpoint {base} must be in the same folder as the new checkpoint {location} "
+                              "(references name their checkpoint by its name in that folder)")
+    if base_name == name:
+        raise CheckpointError(f"a checkpoint cannot be its own base: {location}")
+    try:
+        return read_manifest_phase(backend, base)
+    except CheckpointError as exc:
+        raise BaseCheckpointError(f"base checkpoint {base} cannot be used: {exc}") from exc
+
+
+def refer(comm: Comm, described: Described, plan: GlobalPlan, assigned: list, opened: Opened, base_name: str,
+          target_name: str, memo: VersionMemo | None, block: int) -> tuple[list[RefFile], list[IndexedChunk], list]:
+    """Find this rank's chunks that the base holds unchanged; agree with every rank on the
+    referenced files (one all-reduce). Returns the manifest's ``refs``, this rank's
+    reference rows and the assignments still to write."""
+    error: BaseException | None = None
+    found: dict = {}
+    base: Base | None = None
+    mine: set[int] = set()
+    try:
+        base = Base.of(base_name, opened.manifest)
+        for c in base.candidates:
+            if c.checkpoint == target_name:
+                raise CheckpointError(f"base checkpoint '{base_name}' refers to data in '{target_name}', which this "
+                                      "save would replace")
+        meta = {tl.key: (tl.dtype, tuple(tl.shape)) for tl in described.held}
+        try:
+            found = match(base, assigned, described.source, meta, block, memo)
+            mine = {m.chunk.file for m in found.values()}
+            _check_referenced(opened, base, mine)
+        except CheckpointError as exc:
+            raise BaseCheckpointError(f"base checkpoint '{base_name}' cannot be used: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = exc
+    comm.agree(error, opened.digest, " as the base")  # every rank matched against the same manifest
+    assert base is not None
+    used = comm.all_max([1 if j in mine else 0 for j in range(len(base.candidates))])
+    numbering: dict[int, int] = {}
+    refs: list[RefFile] = []
+    for j, u in enumerate(used):
+        if u:
+            numbering[j] = len(refs)
+            refs.append(base.candidates[j])
+    rows = reference_rows(found, assigned, plan.ordinal(), numbering)
+    return refs, rows, [a for i, a in enumerate(assigned) if i not in found]
+
+
+def _check_referenced(opened: Opened, base: Base, files: set[int]) -> None:
+    """The files this rank would refer to exist with the size the base recorded (a base
+    damaged since its save is noticed now, not by the new checkpoint's loads)."""
+    for j in sorted(files):
+        ref = base.candidates[j]
+        if ref.checkpoint == base.name:
+            folder, close = opened.folder, False
+        else:
+            assert opened.siblings is not None
+            try:
+                folder, close = opened.siblings(ref.checkpoint), True
+            except CheckpointError as exc:
+                raise CorruptCheckpointError(f"it refers to checkpoint '{ref.checkpoint}', which is missing "
+                                             f"({exc})") from None
+        try:
+            size = folder.size(ref.name) if folder.kind(ref.name) == "file" else None
+        finally:
+            if close:
+                folder.close()
+        if size != ref.nbytes:
+            raise CorruptCheckpointError(
+                f"data file {folder.where(ref.name)} is {'missing' if size is None else f'{size} bytes'}, "
+                f"{ref.nbytes} recorded")

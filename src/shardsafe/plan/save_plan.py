@@ -28,7 +28,6 @@ from math import ceil, prod
 from typing import NamedTuple
 
 from ..errors import CheckpointError
-from ..format.file_index import DATA_SUFFIX
 from ..format.rules import Mesh, Rule, parse_placement
 from ..gcpause import gc_paused
 from ..layout import Box, boxes_disjoint, split_rows
@@ -47,7 +46,7 @@ per value (format 3 reads only the indexes it needs)."""
 
 
 @dataclass
-class TensorLayout:
+class HeldTensor:
     """What one rank holds of one tensor."""
 
     key: str
@@ -57,7 +56,7 @@ class TensorLayout:
     kind: str  # replicated | sharded | rank_local
     boxes: list[Box]  # this rank's boxes (of a rule tensor: not sent to other ranks)
     rule: RuleKey | None = None  # the layout as a rule, when it is one
-    layout: dict | None = None  # a DTensor's mesh and placements, for reading (explicit layouts)
+    spec: dict | None = None  # a DTensor's mesh and placements, for reading (tensors saved as boxes)
 
     def to_wire_key(self) -> tuple:
         boxes = () if self.rule is not None else tuple((b.offsets, b.lengths) for b in self.boxes)
@@ -68,29 +67,29 @@ class TensorLayout:
         rule = None if self.rule is None else [meshes.setdefault(self.rule[0], len(meshes)),
                                                [list(p) for p in self.rule[1]]]
         boxes = None if self.rule is not None else [[list(b.offsets), list(b.lengths)] for b in self.boxes]
-        return [self.key, self.dtype, list(self.shape), self.itemsize, self.kind, boxes, rule, self.layout]
+        return [self.key, self.dtype, list(self.shape), self.itemsize, self.kind, boxes, rule, self.spec]
 
     @staticmethod
-    def from_wire(w: list, meshes: list[MeshKey]) -> TensorLayout:
-        key, dtype, shape, itemsize, kind, boxes, rule, layout = w
+    def from_wire(w: list, meshes: list[MeshKey]) -> HeldTensor:
+        key, dtype, shape, itemsize, kind, boxes, rule, spec = w
         rule_key = None if rule is None else (meshes[rule[0]], tuple(tuple(p) for p in rule[1]))
-        return TensorLayout(key, dtype, tuple(shape), itemsize, kind,
-                            [] if boxes is None else [Box(tuple(o), tuple(n)) for o, n in boxes], rule_key, layout)
+        return HeldTensor(key, dtype, tuple(shape), itemsize, kind,
+                            [] if boxes is None else [Box(tuple(o), tuple(n)) for o, n in boxes], rule_key, spec)
 
 
-def wire_of(layouts: list[TensorLayout]) -> bytes:
-    """A rank's layouts as JSON bytes (what ranks exchange to plan; no pickle)."""
+def wire_of(held: list[HeldTensor]) -> bytes:
+    """What a rank holds, as JSON bytes (what ranks exchange to plan; no pickle)."""
     meshes: dict[MeshKey, int] = {}
-    tensors = [tl.to_wire(meshes) for tl in layouts]
+    tensors = [tl.to_wire(meshes) for tl in held]
     return json.dumps({"meshes": [[list(m[0]), list(m[1]), None if m[2] is None else list(m[2])] for m in meshes],
                        "tensors": tensors}, separators=(",", ":")).encode()
 
 
-def layouts_of_wire(data: bytes) -> list[TensorLayout]:
+def held_of_wire(data: bytes) -> list[HeldTensor]:
     """The inverse of :func:`wire_of`."""
     body = json.loads(data)
     meshes = [(tuple(s), tuple(r), None if n is None else tuple(n)) for s, r, n in body["meshes"]]
-    return [TensorLayout.from_wire(w, meshes) for w in body["tensors"]]
+    return [HeldTensor.from_wire(w, meshes) for w in body["tensors"]]
 
 
 def rule_of(key: RuleKey, shape: tuple[int, ...], salt: int = 0) -> Rule:
@@ -116,18 +115,18 @@ class GlobalPlan:
     by_rank: list[list[Assignment]] = field(default_factory=list)  # explicit boxes only
     bytes_by_rank: list[int] = field(default_factory=list)  # of explicit boxes
     rules: dict[str, Rule] = field(default_factory=dict)  # tensors whose chunks follow from a rule
-    layouts: dict[str, dict] = field(default_factory=dict)  # DTensors without a rule: mesh and placements
+    specs: dict[str, dict] = field(default_factory=dict)  # DTensors without a rule: mesh and placements
 
     def ordinal(self) -> dict[str, int]:
         """Each tensor's place in the manifest (sorted keys)."""
         return {k: i for i, k in enumerate(self.tensors)}
 
-    def assignments(self, rank: int, layouts: list[TensorLayout], local: list[TensorLayout]) -> list[Assignment]:
+    def assignments(self, rank: int, held: list[HeldTensor], local: list[HeldTensor]) -> list[Assignment]:
         """What ``rank`` writes, in file order: its explicit boxes, the boxes it holds of rule
         tensors that the rule gives to it, then its rank-local tensors."""
         order = self.ordinal()
         out = list(self.by_rank[rank])
-        for tl in layouts:
+        for tl in held:
             rule = self.rules.get(tl.key)
             if rule is not None:
                 whole = Box.whole(tl.shape)
@@ -165,7 +164,7 @@ class FileWrite:
         return self.chunks[-1].end if self.chunks else len(self.header)
 
 
-def layout_file(name: str, rank: int, assignments: list[Assignment], codes: dict[str, str],
+def plan_file(name: str, rank: int, assignments: list[Assignment], codes: dict[str, str],
                 itemsizes: dict[str, int]) -> FileWrite:
     """Where each assigned chunk goes in data file ``name``: the safetensors header (chunk
     names made unique) and every chunk's byte range, in assignment order."""
@@ -178,91 +177,112 @@ def layout_file(name: str, rank: int, assignments: list[Assignment], codes: dict
     return FileWrite(name, rank, header, chunks)
 
 
-def data_file_name(rank: int, index: int = 0, save_id: str = "") -> str:
-    """Data file names: ``data-r<rank>-<index>.safetensors``, zero padded; with a save id
-    (saves on backends without renames, whose files sit beside the previous checkpoint's
-    until the commit): ``data-r<rank>-<index><save_id>.safetensors``."""
-    return f"data-r{rank:05d}-{index:02d}{save_id}{DATA_SUFFIX}"
+def plan_key(signatures: list[list[str]]) -> str:
+    """A digest of all ranks' holdings' signatures: equal digests give equal plans (the
+    plan cache's key)."""
+    return hashlib.sha256(json.dumps(signatures, default=list).encode()).hexdigest()
 
 
-def layout_digest(layouts: list[list[tuple]]) -> str:
-    """A digest of all ranks' layouts: equal digests give equal plans (plan cache key)."""
-    return hashlib.sha256(json.dumps(layouts, default=list).encode()).hexdigest()
+def plan_global(held: list[list[HeldTensor]], signatures: list[str] | None = None) -> GlobalPlan:
+    """The deterministic global write plan for the gathered per-rank holdings (run with
+    the cyclic GC paused).
 
-
-def plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None = None) -> GlobalPlan:
-    """See :func:`_plan_global` (run with the cyclic GC paused)."""
-    with gc_paused():
-        return _plan_global(layouts, signatures)
-
-
-def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None = None) -> GlobalPlan:
-    """The deterministic global write plan for the gathered per-rank layouts.
-
-    Ranks with identical layouts (the usual SPMD case for replicated state) are planned
-    as one group, so planning grows with the number of distinct layouts times tensors,
+    Ranks with identical holdings (the usual SPMD case for replicated state) are planned
+    as one group, so planning grows with the number of distinct holdings times tensors,
     not ranks times tensors. Raises CheckpointError naming the key and ranks when ranks
     disagree on a tensor's dtype or shape, or when the boxes of a sharded tensor do not
-    cover it."""
-    world = len(layouts)
+    cover it. Passes: gather the tensors and their holders; merge and check the rules;
+    check that explicit boxes tile each tensor; split large replicated tensors; assign
+    boxes to ranks (small ones packed); rotate the rules' replicas."""
+    with gc_paused():
+        world = len(held)
+        groups = _groups(held, signatures)
+        g = _Gathered()
+        for leader, ranks in groups.items():
+            for tl in held[leader]:
+                g.add(tl, leader, ranks)
+        merged = _merged_rules(g, groups)
+        _check_coverage(g)
+        work = _split_large(g, world)
+        by_rank, load = _assign(work, world)
+        order = {k: i for i, k in enumerate(sorted(g.tensors))}
+        for items in by_rank:  # files hold chunks in key order (the key's rank: cheaper than strings)
+            items.sort(key=lambda a: (order[a.key], a.box.offsets))
+        return GlobalPlan(world, {k: g.tensors[k] for k in sorted(g.tensors)}, by_rank, load,
+                          _planned_rules(g, merged), {k: v for k, v in g.specs.items() if k not in g.rules})
+
+
+def _groups(held: list[list[HeldTensor]], signatures: list[str] | None) -> dict[int, list[int]]:
+    """Ranks with equal holdings, by the first of them (their leader)."""
     groups: dict[int, list[int]] = {}
-    first_of: dict[tuple, int] = {}
-    for rank, tls in enumerate(layouts):
+    first_of: dict[tuple | str, int] = {}
+    for rank, tls in enumerate(held):
         sig = signatures[rank] if signatures is not None else tuple(tl.to_wire_key() for tl in tls)
         leader = first_of.setdefault(sig, rank)
         groups.setdefault(leader, []).append(rank)
-    tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
-    itemsizes: dict[str, int] = {}
-    holders: dict[tuple[str, Box], list[int]] = {}
-    boxes_of: dict[str, list[Box]] = {}  # each tensor's distinct boxes
-    first_rank: dict[str, int] = {}
-    rules: dict[str, list[RuleKey]] = {}  # several: the same layout on disjoint meshes (replicas)
-    rule_groups: dict[str, list[int]] = {}  # rule tensor -> leaders of the groups that hold it
-    dlayouts: dict[str, dict] = {}
-    for leader, ranks in groups.items():
-        for tl in layouts[leader]:
-            meta = (tl.dtype, tl.shape, tl.kind)
-            known = tensors.get(tl.key)
-            if known is None:
-                tensors[tl.key] = meta
-                itemsizes[tl.key] = tl.itemsize
-                first_rank[tl.key] = leader
-            elif known != meta:
-                raise CheckpointError(
-                    f"tensor '{tl.key}': rank {first_rank[tl.key]} has {_describe(known)}, "
-                    f"rank {leader} has {_describe(meta)}"
-                )
-            if tl.layout is not None:
-                dlayouts.setdefault(tl.key, tl.layout)
-            if tl.rule is not None:
-                seen = rules.setdefault(tl.key, [])
-                if tl.rule not in seen:
-                    if seen and (seen[0][0][0], seen[0][1]) != (tl.rule[0][0], tl.rule[1]):
-                        raise CheckpointError(f"tensor '{tl.key}': ranks {first_rank[tl.key]} and {leader} hold it "
-                                              "on meshes of different shapes or with different placements")
-                    seen.append(tl.rule)
-                rule_groups.setdefault(tl.key, []).append(leader)
-                continue
-            for box in tl.boxes:
-                h = holders.get((tl.key, box))
-                if h is None:
-                    holders[(tl.key, box)] = ranks if len(ranks) > 1 else [leader]
-                    boxes_of.setdefault(tl.key, []).append(box)
-                else:
-                    if h is ranks:
-                        continue
-                    holders[(tl.key, box)] = sorted(set(h) | set(ranks))
+    return groups
 
-    mixed = sorted(set(rules) & set(boxes_of))
+
+@dataclass
+class _Gathered:
+    """Pass 1: every tensor the ranks hold, its explicit boxes and their holders, its rules."""
+
+    tensors: dict[str, tuple[str, tuple[int, ...], str]] = field(default_factory=dict)  # (dtype, shape, kind)
+    itemsizes: dict[str, int] = field(default_factory=dict)
+    holders: dict[tuple[str, Box], list[int]] = field(default_factory=dict)
+    boxes_of: dict[str, list[Box]] = field(default_factory=dict)  # each tensor's distinct boxes
+    first_rank: dict[str, int] = field(default_factory=dict)
+    rules: dict[str, list[RuleKey]] = field(default_factory=dict)  # several: one layout on disjoint meshes
+    rule_groups: dict[str, list[int]] = field(default_factory=dict)  # rule tensor -> leaders that hold it
+    specs: dict[str, dict] = field(default_factory=dict)
+
+    def add(self, tl: HeldTensor, leader: int, ranks: list[int]) -> None:
+        """What the group of ``leader`` (ranks ``ranks``) holds of one tensor."""
+        meta = (tl.dtype, tl.shape, tl.kind)
+        known = self.tensors.get(tl.key)
+        if known is None:
+            self.tensors[tl.key] = meta
+            self.itemsizes[tl.key] = tl.itemsize
+            self.first_rank[tl.key] = leader
+        elif known != meta:
+            raise CheckpointError(
+                f"tensor '{tl.key}': rank {self.first_rank[tl.key]} has {_describe(known)}, "
+                f"rank {leader} has {_describe(meta)}"
+            )
+        if tl.spec is not None:
+            self.specs.setdefault(tl.key, tl.spec)
+        if tl.rule is not None:
+            self._add_rule(tl, leader)
+            return
+        for box in tl.boxes:
+            h = self.holders.get((tl.key, box))
+            if h is None:
+                self.holders[(tl.key, box)] = ranks if len(ranks) > 1 else [leader]
+                self.boxes_of.setdefault(tl.key, []).append(box)
+            elif h is not ranks:
+                self.holders[(tl.key, box)] = sorted(set(h) | set(ranks))
+
+    def _add_rule(self, tl: HeldTensor, leader: int) -> None:
+        assert tl.rule is not None
+        seen = self.rules.setdefault(tl.key, [])
+        if tl.rule not in seen:
+            if seen and (seen[0][0][0], seen[0][1]) != (tl.rule[0][0], tl.rule[1]):
+                raise CheckpointError(f"tensor '{tl.key}': ranks {self.first_rank[tl.key]} and {leader} hold it "
+                                      "on meshes of different shapes or with different placements")
+            seen.append(tl.rule)
+        self.rule_groups.setdefault(tl.key, []).append(leader)
+
+
+def _merged_rules(g: _Gathered, groups: dict[int, list[int]]) -> dict[str, RuleKey]:
+    """Pass 2: one rule per rule tensor (replicas on disjoint meshes merged), each of whose
+    mesh ranks holds the tensor (else its chunks would be missing)."""
+    mixed = sorted(set(g.rules) & set(g.boxes_of))
     if mixed:
         raise CheckpointError(f"tensor '{mixed[0]}': some ranks hold it as a DTensor of a mesh, others not")
-    merged: dict[str, RuleKey] = {}
-    for key, keys in rules.items():
-        merged[key] = keys[0] if len(keys) == 1 else _replicas_rule(key, keys)
-    # A rule's mesh ranks must all hold the tensor (else its chunks would be missing).
+    merged = {key: keys[0] if len(keys) == 1 else _replicas_rule(key, keys) for key, keys in g.rules.items()}
     checked: set[tuple] = set()
     for key, rule_key in merged.items():
-        leaders = tuple(rule_groups[key])
+        leaders = tuple(g.rule_groups[key])
         if (leaders, rule_key[0]) in checked:
             continue
         held = set().union(*(groups[leader] for leader in leaders))
@@ -270,86 +290,118 @@ def _plan_global(layouts: list[list[TensorLayout]], signatures: list[str] | None
         if missing:
             raise CheckpointError(f"tensor '{key}': ranks {missing[:8]} of its device mesh did not save it")
         checked.add((leaders, rule_key[0]))
+    return merged
 
-    # Coverage: the distinct boxes of each tensor must tile it: no overlap, no hole.
-    for key, (_, shape, _) in tensors.items():
-        if key in rules:
+
+def _check_coverage(g: _Gathered) -> None:
+    """Pass 3: the distinct explicit boxes of each tensor tile it: no overlap, no hole."""
+    for key, (_, shape, _) in g.tensors.items():
+        if key in g.rules:
             continue
         need = prod(shape)
-        boxes = boxes_of.get(key, [])
+        boxes = g.boxes_of.get(key, [])
         covered = sum(b.numel for b in boxes)
         if (covered != need and not (need == 0 and boxes)) or (len(boxes) > 1 and not _disjoint(boxes)):
             overlap = len(boxes) > 1 and not boxes_disjoint(boxes)
             raise CheckpointError(
                 f"tensor '{key}': the ranks' shards {'overlap' if overlap else 'do not cover it'} "
-                f"({covered} of {need} elements in {len(boxes)} boxes; ranks {_holders_of(holders, key)}); "
+                f"({covered} of {need} elements in {len(boxes)} boxes; ranks {_holders_of(g.holders, key)}); "
                 "Partial placements must be reduced before saving"
             )
 
-    total = sum(box.numel * itemsizes[key] for key, box in holders) + \
-        sum(prod(tensors[key][1]) * itemsizes[key] for key in rules)
+
+class _Work(NamedTuple):
+    """A box to assign to one of its holders."""
+
+    nbytes: int
+    key: str
+    box: Box
+    whole: bool
+    ranks: list[int]
+
+
+def _split_large(g: _Gathered, world: int) -> list[_Work]:
+    """Pass 4: every explicit box as work; a whole replicated tensor above the split
+    target (mean bytes per rank / SPLIT_FRACTION) split into row ranges first."""
+    total = sum(box.numel * g.itemsizes[key] for key, box in g.holders) + \
+        sum(prod(g.tensors[key][1]) * g.itemsizes[key] for key in g.rules)
     target = max(MIN_SPLIT_BYTES, total // max(world, 1) // SPLIT_FRACTION)
-    work: list[tuple[int, str, Box, bool, list[int]]] = []
-    for (key, box), ranks in holders.items():
-        nbytes = box.numel * itemsizes[key]
-        whole = box.offsets == (0,) * len(box.offsets) and box.lengths == tensors[key][1]
+    work: list[_Work] = []
+    for (key, box), ranks in g.holders.items():
+        nbytes = box.numel * g.itemsizes[key]
+        whole = box.offsets == (0,) * len(box.offsets) and box.lengths == g.tensors[key][1]
         if whole and len(ranks) > 1 and nbytes > target and len(box.lengths) > 0:
             for part in split_rows(box.lengths, ceil(nbytes / target)):
-                work.append((part.numel * itemsizes[key], key, part, part == box, ranks))
+                work.append(_Work(part.numel * g.itemsizes[key], key, part, part == box, ranks))
         else:
-            work.append((nbytes, key, box, whole, ranks))
+            work.append(_Work(nbytes, key, box, whole, ranks))
+    return work
+
+
+def _assign(work: list[_Work], world: int) -> tuple[list[list[Assignment]], list[int]]:
+    """Pass 5: each box to a rank, and each rank's bytes. Boxes with one holder have no
+    choice; the others go largest first to the least loaded holder (ties: lowest rank),
+    except small ones, packed onto their lowest holders (:func:`_pack_small`)."""
     load = [0] * world
     by_rank: list[list[Assignment]] = [[] for _ in range(world)]
-    # Boxes with one holder have no choice: assigned first, in any order (no sort).
     choice = []
-    for item in work:
-        if len(item[4]) == 1:
-            r = item[4][0]
-            load[r] += item[0]
-            by_rank[r].append(Assignment(item[1], item[2], item[3]))
+    for item in work:  # one holder: assigned first, in any order (no sort)
+        if len(item.ranks) == 1:
+            r = item.ranks[0]
+            load[r] += item.nbytes
+            by_rank[r].append(Assignment(item.key, item.box, item.whole))
         else:
             choice.append(item)
     # Largest first; equal sizes keep their order, which is the same on every rank (the
-    # gathered layouts are), so comparing sizes alone is enough for a deterministic plan.
-    choice.sort(key=lambda w: -w[0])
+    # gathered holdings are), so comparing sizes alone is enough for a deterministic plan.
+    choice.sort(key=lambda w: -w.nbytes)
     heap = [(load[r], r) for r in range(world)]  # (load, rank); stale once a rank's load changes
     small: dict[int, int] = {}  # bytes of small boxes packed onto each rank
     heapq.heapify(heap)
-    for nbytes, key, box, whole, ranks in choice:
-        if nbytes < SMALL_BYTES:
-            # Packed onto the lowest holders (sorted), SMALL_PACK bytes each, so that a load
-            # finds them in few files' indexes.
-            r = next((h for h in ranks if small.get(h, 0) + nbytes <= SMALL_PACK), ranks[0])
-            small[r] = small.get(r, 0) + nbytes
-            load[r] += nbytes
-        elif len(ranks) == world:
-            while True:
-                lo, r = heapq.heappop(heap)
-                if lo == load[r]:
-                    break
-                heapq.heappush(heap, (load[r], r))  # stale: requeue at its current load
-            load[r] += nbytes
+    for item in choice:
+        if item.nbytes < SMALL_BYTES:
+            r = _pack_small(item, small)
+            load[r] += item.nbytes
+        elif len(item.ranks) == world:
+            r = _least_loaded(heap, load)
+            load[r] += item.nbytes
             heapq.heappush(heap, (load[r], r))
         else:
-            r = min(ranks, key=lambda x: (load[x], x))
-            load[r] += nbytes
-        by_rank[r].append(Assignment(key, box, whole))
-    # Files hold their chunks in key order (then offsets); keys compared by rank in the
-    # sorted key list, which is cheaper than comparing the strings in every sort.
-    order = {k: i for i, k in enumerate(sorted(tensors))}
-    for items in by_rank:
-        items.sort(key=lambda a: (order[a.key], a.box.offsets))
-    # Rules, in key order; replicated boxes rotate over the replicas from tensor to tensor.
+            r = min(item.ranks, key=lambda x: (load[x], x))
+            load[r] += item.nbytes
+        by_rank[r].append(Assignment(item.key, item.box, item.whole))
+    return by_rank, load
+
+
+def _pack_small(item: _Work, small: dict[int, int]) -> int:
+    """A small box's rank: the lowest holder with SMALL_PACK bytes of room left, so that a
+    load finds small values in few files' indexes."""
+    r = next((h for h in item.ranks if small.get(h, 0) + item.nbytes <= SMALL_PACK), item.ranks[0])
+    small[r] = small.get(r, 0) + item.nbytes
+    return r
+
+
+def _least_loaded(heap: list[tuple[int, int]], load: list[int]) -> int:
+    """The least loaded rank, popped from ``heap`` (stale entries requeued at their load)."""
+    while True:
+        lo, r = heapq.heappop(heap)
+        if lo == load[r]:
+            return r
+        heapq.heappush(heap, (load[r], r))
+
+
+def _planned_rules(g: _Gathered, merged: dict[str, RuleKey]) -> dict[str, Rule]:
+    """Pass 6: the rules, in key order; replicated boxes rotate over the replicas from
+    tensor to tensor."""
     planned: dict[str, Rule] = {}
     rotation = 0
-    for key in sorted(rules):
-        rule = rule_of(merged[key], tensors[key][1])
+    for key in sorted(g.rules):
+        rule = rule_of(merged[key], g.tensors[key][1])
         if rule.replicas > 1:
-            rule = rule_of(merged[key], tensors[key][1], rotation % rule.replicas)
+            rule = rule_of(merged[key], g.tensors[key][1], rotation % rule.replicas)
             rotation += rule.count()
         planned[key] = rule
-    return GlobalPlan(world, {k: tensors[k] for k in sorted(tensors)}, by_rank, load, planned,
-                      {k: v for k, v in dlayouts.items() if k not in rules})
+    return planned
 
 
 def _replicas_rule(key: str, keys: list[RuleKey]) -> RuleKey:

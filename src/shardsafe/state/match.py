@@ -37,7 +37,7 @@ from ..errors import (
 )
 from ..format.dtypes import torch_dtype
 from ..format.manifest import Manifest
-from ..format.values import decode
+from ..format.values import RANK_LOCAL_TAG, TENSOR_TAG, decode
 from ..hints import as_keys, nearest, unmatched
 from ..layout import Box
 from .fit import fit_problems
@@ -170,7 +170,7 @@ class Matcher:
         """A fresh Python value for a saved node, tensors allocated and queued for reading."""
 
         def on_ref(tag: str, key: str) -> Any:
-            if tag == "$tensor":
+            if tag == TENSOR_TAG:
                 return self.fresh_tensor(key)
             return self.materialize(self._rank_local(key))
 
@@ -221,7 +221,7 @@ class Matcher:
         if parts and self._excluded(path):
             return dest
         ref = saved_ref(saved)
-        if ref is not None and ref[0] == "$rank_local":
+        if ref is not None and ref[0] == RANK_LOCAL_TAG:
             try:
                 saved = self._rank_local(ref[1])
             except CheckpointError as exc:
@@ -235,7 +235,7 @@ class Matcher:
                 self.result.assigns.append(_attr_setter(dest, new))
             return dest
         if isinstance(dest, torch.Tensor):
-            if ref is None or ref[0] != "$tensor":
+            if ref is None or ref[0] != TENSOR_TAG:
                 self.result.errors.append(
                     UnexpectedKeysError(f"key '{path}': the destination holds a tensor, the checkpoint does not")
                 )
@@ -243,68 +243,81 @@ class Matcher:
             self._match_tensor(dest, ref[1], path)
             return dest
         if is_stateful(dest):
-            sub = dest.state_dict()
-            holder = [self.match(sub, saved, parts, private=True)]
-            self.result.errors.extend(fit_problems(dest, holder[0], sub, path, self.strict))
-            if not self.strict and isinstance(dest, torch.nn.Module) and isinstance(holder[0], dict):
-                for k in [k for k in holder[0] if k not in sub]:  # strict=False: saved extras are ignored
-                    del holder[0][k]
-            self.result.statefuls.append((dest, lambda: holder[0], path))
-            return dest
+            return self._match_stateful(dest, saved, parts, path)
         if isinstance(dest, dict):
-            items = saved_items(saved)
-            if items is None:
-                self.result.errors.append(
-                    UnexpectedKeysError(f"key '{path}': the destination holds a dict, the checkpoint does not")
-                )
-                return dest
-            saved_map = dict(items)
-            target = copy.copy(dest) if private else dest  # keeps the type and e.g. _metadata
-            plain = not self.exclude  # no key is excluded: plain tensors take the short way below
-            for k, v in list(dest.items()):
-                if k not in saved_map:
-                    child = join_key(parts + [str(k)])
-                    if not self._excluded(child) and self.strict:
-                        self.result.errors.append(MissingKeysError(
-                            f"key '{child}' is not in the checkpoint{_nearby(str(k), saved_map, parts)}"))
-                    continue
-                sv = saved_map[k]
-                if plain and type(v) is torch.Tensor and type(sv) is dict and len(sv) == 1 and "$tensor" in sv \
-                        and type(sv["$tensor"]) is str:
-                    # What match() does for a plain tensor saved as a tensor (the bulk of a
-                    # state, thousands of times): fill it in place; its key is spelt only on error.
-                    self._match_tensor(v, sv["$tensor"], (parts, k))
-                    continue
-                new = self.match(v, sv, parts + [str(k)], private=private)
-                if new is not v:
-                    if private:
-                        target[k] = new
-                    else:
-                        self.result.assigns.append(_setter(dest, k, new))
-            if not top:
-                for k, v in items:
-                    if k not in dest and not self._excluded(join_key(parts + [str(k)])):
-                        fresh = self._fresh_or_error(v, join_key(parts + [str(k)]))
-                        if private:
-                            target[k] = fresh
-                        else:
-                            self.result.assigns.append(_setter(dest, k, fresh))
-            return target
+            return self._match_dict(dest, saved, parts, path, top, private)
         if isinstance(dest, (list, tuple)):
-            kind = list if isinstance(dest, list) else tuple
-            seq = saved_sequence(saved, kind)
-            if seq is None or len(seq) != len(dest):
-                return self._fresh_or_error(saved, path)
-            new_items = [self.match(d, s, parts + [str(i)], private=private) for i, (d, s) in enumerate(zip(dest, seq))]
-            if kind is tuple:
-                return tuple(new_items)
-            if private:
-                return new_items
-            for i, (old, new) in enumerate(zip(dest, new_items)):
-                if new is not old:
-                    self.result.assigns.append(_setter(dest, i, new))
-            return dest
+            return self._match_sequence(dest, saved, parts, path, private)
         return self._fresh_or_error(saved, path)
+
+    def _match_stateful(self, dest: Any, saved: Any, parts: list[str], path: str) -> Any:
+        """A Stateful: its ``state_dict()`` matched as a private tree, loaded back at apply."""
+        sub = dest.state_dict()
+        holder = [self.match(sub, saved, parts, private=True)]
+        self.result.errors.extend(fit_problems(dest, holder[0], sub, path, self.strict))
+        if not self.strict and isinstance(dest, torch.nn.Module) and isinstance(holder[0], dict):
+            for k in [k for k in holder[0] if k not in sub]:  # strict=False: saved extras are ignored
+                del holder[0][k]
+        self.result.statefuls.append((dest, lambda: holder[0], path))
+        return dest
+
+    def _match_dict(self, dest: dict, saved: Any, parts: list[str], path: str, top: bool, private: bool) -> Any:
+        """A dict: each destination key matched with the saved one (missing ones are errors
+        when strict); below the top, saved keys the destination lacks are added fresh."""
+        items = saved_items(saved)
+        if items is None:
+            self.result.errors.append(
+                UnexpectedKeysError(f"key '{path}': the destination holds a dict, the checkpoint does not")
+            )
+            return dest
+        saved_map = dict(items)
+        target = copy.copy(dest) if private else dest  # keeps the type and e.g. _metadata
+        plain = not self.exclude  # no key is excluded: plain tensors take the short way below
+        for k, v in list(dest.items()):
+            if k not in saved_map:
+                child = join_key(parts + [str(k)])
+                if not self._excluded(child) and self.strict:
+                    self.result.errors.append(MissingKeysError(
+                        f"key '{child}' is not in the checkpoint{_nearby(str(k), saved_map, parts)}"))
+                continue
+            sv = saved_map[k]
+            if plain and type(v) is torch.Tensor and type(sv) is dict and len(sv) == 1 and TENSOR_TAG in sv \
+                    and type(sv[TENSOR_TAG]) is str:
+                # What match() does for a plain tensor saved as a tensor (the bulk of a
+                # state, thousands of times): fill it in place; its key is spelt only on error.
+                self._match_tensor(v, sv[TENSOR_TAG], (parts, k))
+                continue
+            new = self.match(v, sv, parts + [str(k)], private=private)
+            if new is not v:
+                if private:
+                    target[k] = new
+                else:
+                    self.result.assigns.append(_setter(dest, k, new))
+        if not top:
+            for k, v in items:
+                if k not in dest and not self._excluded(join_key(parts + [str(k)])):
+                    fresh = self._fresh_or_error(v, join_key(parts + [str(k)]))
+                    if private:
+                        target[k] = fresh
+                    else:
+                        self.result.assigns.append(_setter(dest, k, fresh))
+        return target
+
+    def _match_sequence(self, dest: list | tuple, saved: Any, parts: list[str], path: str, private: bool) -> Any:
+        """A list or tuple of the saved length: matched item by item (a tuple rebuilt)."""
+        kind = list if isinstance(dest, list) else tuple
+        seq = saved_sequence(saved, kind)
+        if seq is None or len(seq) != len(dest):
+            return self._fresh_or_error(saved, path)
+        new_items = [self.match(d, s, parts + [str(i)], private=private) for i, (d, s) in enumerate(zip(dest, seq))]
+        if kind is tuple:
+            return tuple(new_items)
+        if private:
+            return new_items
+        for i, (old, new) in enumerate(zip(dest, new_items)):
+            if new is not old:
+                self.result.assigns.append(_setter(dest, i, new))
+        return dest
 
     def _fresh_or_error(self, saved: Any, path: str) -> Any:
         try:

@@ -161,7 +161,7 @@ def dtensor_pieces(t: Any) -> list[Piece]:
     return pieces_for(tuple(t.shape), mesh_shape, coord, tuple(t.placements))
 
 
-def layout_of(t: Any) -> dict[str, Any]:
+def spec_of(t: Any) -> dict[str, Any]:
     """A JSON description of a DTensor's saving layout, for the manifest."""
     mesh = t.device_mesh
     return {

@@ -29,6 +29,7 @@ _KEYS_HELP = ("{} only keys equal to or under the dotted PREFIX; one PREFIX per 
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The command line: common options, then one sub-parser per command."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON object on stdout (for scripts)")
     common.add_argument("--no-progress", action="store_true", help="never draw the progress line on stderr")
@@ -37,7 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"shardsafe {__version__}",
                    help="print the version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in (_add_ls, _add_inspect, _add_verify, _add_diff, _add_export, _add_import, _add_copy):
+        add(sub, common)
+    return p
 
+
+def _add_ls(sub: Any, common: argparse.ArgumentParser) -> None:
+    """The ``ls`` command's arguments."""
     s = sub.add_parser("ls", parents=[common], help="list the step checkpoints of a folder",
                        description="List the step-<N> checkpoints of a manager folder with step, size, save time, "
                                    "world size and status: valid, invalid (torn or damaged; cheap check of the "
@@ -46,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                                    "deleting or retired. Any zero padding of N counts.", epilog=_EPILOG)
     s.add_argument("folder", help="a folder of step-<N> checkpoints (or one checkpoint)")
 
+
+def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
+    """The ``inspect`` command's arguments."""
     s = sub.add_parser("inspect", parents=[common], help="show the key tree, or the shard layout of one tensor",
                        description="Show every key with kind (sharded / replicated / rank_local), dtype, global "
                                    "shape, bytes and number of chunks; plain values briefly. With --layout KEY: "
@@ -58,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--width", type=int, default=64, help="grid width in characters (default 64)")
     s.add_argument("--height", type=int, default=16, help="grid height in lines (default 16)")
 
+
+def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
+    """The ``verify`` command's arguments."""
     s = sub.add_parser("verify", parents=[common], help="check every byte against its checksum",
                        description="Recompute every block checksum of every chunk and every data file header, "
                                    "in parallel; report missing and truncated files and each bad chunk (file, "
@@ -65,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("checkpoint", help="the checkpoint folder")
     s.add_argument("--threads", type=int, default=None, help="hashing threads (default: min(8, CPUs))")
 
+
+def _add_diff(sub: Any, common: argparse.ArgumentParser) -> None:
+    """The ``diff`` command's arguments."""
     s = sub.add_parser("diff", parents=[common], help="compare two checkpoints key by key",
                        description="Keys added and removed, dtype and shape changes, and values that differ "
                                    "beyond |a-b| <= atol + rtol*|b| (max abs diff per tensor); plain values too. "
@@ -77,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--keys", action="append", metavar="PREFIX", help=_KEYS_HELP.format("compare"))
     s.add_argument("--no-verify", action="store_true", help="do not verify checksums while reading")
 
+
+def _add_export(sub: Any, common: argparse.ArgumentParser) -> None:
+    """The ``export`` command's arguments."""
     s = sub.add_parser("export", parents=[common], help="write torch.save, safetensors, Hugging Face or DCP files",
                        description="Export tensors one at a time (memory: about the largest tensor). torch: one "
                                    "torch.save file of the nested state, tensors and plain values, loadable with "
@@ -113,6 +132,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     s.add_argument("--no-verify", action="store_true", help="do not verify checksums while reading")
 
+
+def _add_import(sub: Any, common: argparse.ArgumentParser) -> None:
+    """The ``import`` command's arguments."""
     s = sub.add_parser("import", parents=[common],
                        help="make a shardsafe checkpoint from torch.save, safetensors, Hugging Face or DCP",
                        description="Read a torch.save file (torch.load(weights_only=True)), a .safetensors file, a "
@@ -131,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
                         "beside it as hf_config and hf_generation_config")
     s.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint")
 
+
+def _add_copy(sub: Any, common: argparse.ArgumentParser) -> None:
+    """The ``copy`` command's arguments."""
     s = sub.add_parser("copy", parents=[common], help="copy a checkpoint between locations (local, s3://)",
                        description="Copy the checkpoint SRC to DST, streaming: every block's checksum is verified "
                                    "before its bytes are written, and DST is committed last, as a save commits "
@@ -139,7 +164,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("src", help="the checkpoint to copy (path or URL)")
     s.add_argument("dst", help="where to create the copy (path or URL)")
     s.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
-    return p
 
 
 _EXPORT_FORMATS = {

@@ -25,12 +25,11 @@ from ..checkpoint_folder import begin_save
 from ..checkpointer import Checkpointer
 from ..errors import CorruptCheckpointError
 from ..format.checksum import checksum
-from ..format.file_index import index_name
+from ..format.file_index import data_name, index_name
 from ..format.manifest import FileEntry, Manifest
 from ..format.refs import RefFile
 from ..ops.load import block_size
 from ..plan.load_plan import BlockCheck, chunk_checks
-from ..plan.save_plan import data_file_name
 from .common import PathLike, human_bytes
 
 WINDOW = 8 << 20
@@ -84,7 +83,7 @@ def copy_checkpoint(src: PathLike, dst: PathLike, *, overwrite: bool = False, wi
             try:
                 files: list[FileEntry] = []  # format 2: new names; format 3 derives them from the save id
                 for index, entry in enumerate(manifest.files):
-                    name = data_file_name(entry.rank, len([f for f in files if f.rank == entry.rank]), target.suffix)
+                    name = data_name(entry.rank, target.suffix, len([f for f in files if f.rank == entry.rank]))
                     total += _copy_file(reader, index, target.staging, name, block, window)
                     if manifest.indexed:  # the index, verified against the manifest when read, byte for byte
                         target.staging.write_bytes(index_name(name), manifest.index(index).raw)
