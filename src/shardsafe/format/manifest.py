@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -265,8 +264,9 @@ class FileEntry:
 @dataclass
 class Manifest:
     """Everything a reader needs: files, tensors, the typed-JSON value tree. A format-3
-    manifest reads file indexes through ``index_source`` (set by whoever opened the
-    checkpoint) when a chunk's byte range or a rank-local value is first needed."""
+    manifest answers for a chunk's byte range or a rank-local value once the index of its
+    file is attached (:meth:`attach_indexes`: the reader's fetch-indexes phase hands the
+    bytes in); it never reads storage itself."""
 
     tree: Any
     tensors: dict[str, TensorEntry]
@@ -282,9 +282,8 @@ class Manifest:
     refs: list[RefFile] = field(default_factory=list)  # format 3.1: files numbered len(files) + j
 
     def __post_init__(self) -> None:
-        self._indexes: dict[int, FileIndex] = {}
-        self._lock = threading.Lock()
-        self.index_source: Callable[[list[tuple[str, int]]], list[bytes]] | None = None
+        self._indexes: dict[int, FileIndex] = {}  # attached by a reader's fetch-indexes phase
+        self._refused: dict[int, str] = {}  # file -> why its index bytes were refused
         self.backing: Backing | None = None  # format 3: rules beyond the free allowance, backed by index rows
         self.file_of_rank: dict[int, int] = {f.rank: i for i, f in enumerate(self.files)}
         self._keys = list(self.tensors)
@@ -327,53 +326,67 @@ class Manifest:
 
     # ------------------------------------------------------------------ file indexes (format 3)
 
-    def load_indexes(self, files: Iterable[int]) -> None:
-        """Read, verify and parse the indexes of the given files (those not read yet), all
-        at once through ``index_source``; a no-op before format 3."""
+    def index_requests(self, files: Iterable[int]) -> list[tuple[int, str, int]]:
+        """(file, index name, stated size) of the given files' indexes not attached yet, by
+        file: what a reader's fetch-indexes phase reads (none before format 3)."""
         if not self.indexed:
-            return
-        missing = sorted({f for f in files if f not in self._indexes})
-        if not missing:
-            return
-        with self._lock:
-            missing = [f for f in missing if f not in self._indexes]
-            if not missing:
-                return
-            if self.index_source is None:
-                raise CorruptCheckpointError("this manifest was read without its checkpoint: its file indexes "
-                                             "cannot be read")
-            datas = self.index_source([(self.files[f].index_name, self.files[f].index_bytes) for f in missing])
-            meta = self._tensor_meta()
-            block = self.extra["checksum_block"]
-            ref_files = [(r.name, r.nbytes) for r in self.refs]
-            for f, data in zip(missing, datas):
-                entry = self.files[f]
+            return []
+        return [(f, self.files[f].index_name, self.files[f].index_bytes)
+                for f in sorted({f for f in files if f not in self._indexes})]
+
+    def attach_indexes(self, fetched: list[tuple[int, bytes]]) -> None:
+        """Verify (against the manifest's size and digest), parse and attach the bytes of
+        file indexes, in order; the first bad one raises CorruptCheckpointError. The bytes
+        are handed in by the reader's fetch-indexes phase: the manifest reads nothing."""
+        meta = self._tensor_meta()
+        block = self.extra["checksum_block"]
+        ref_files = [(r.name, r.nbytes) for r in self.refs]
+        for f, data in fetched:
+            if f in self._indexes:
+                continue
+            entry = self.files[f]
+            try:
                 verify_index(data, entry.index_bytes, entry.index_checksum, entry.index_name)
                 index = FileIndex.parse(data, entry.index_name, file=f, rank=entry.rank, nbytes=entry.nbytes,
                                         block=block, tensors=meta, ref_files=ref_files, first_ref=len(self.files))
-                entry.header_bytes, entry.header_checksum = index.header_bytes, index.header_checksum
-                index.raw = data
-                self._add_local_tensors(index)
-                self._indexes[f] = index
+            except CorruptCheckpointError as exc:
+                self._refused[f] = str(exc)  # asked for again (the rule budget counts every index): the same error
+                raise
+            entry.header_bytes, entry.header_checksum = index.header_bytes, index.header_checksum
+            index.raw = data
+            self._add_local_tensors(index)
+            self._indexes[f] = index
+
+    def has_index(self, file: int) -> bool:
+        """True once file ``file``'s index is attached (always true before format 3)."""
+        return not self.indexed or file in self._indexes
+
+    @property
+    def cuts_need_indexes(self) -> bool:
+        """True when cutting a rule first needs every file index (the rule budget is then
+        checked against the rows they list: see :class:`~shardsafe.format.rules.Backing`)."""
+        backing = self.backing
+        return backing is not None and backing.armed and not backing.done
 
     def listed_rows(self) -> int:
-        """The chunk rows (and references) that all file indexes list, read and verified."""
-        self.load_indexes(range(len(self.files)))
-        return sum(len(ix) + len(ix.ref_ordinals) for ix in self._indexes.values())
+        """The chunk rows (and references) that all file indexes list (all attached)."""
+        return sum(len(ix) + len(ix.ref_ordinals) for ix in map(self.index, range(len(self.files))))
 
-    def load_all_indexes(self) -> None:
-        """Read every file index (tools that look at the whole checkpoint), and check that
-        their rows back the rules (the rule budget)."""
-        self.load_indexes(range(len(self.files)))
+    def check_rule_budget(self) -> None:
+        """Once every index is attached: check that their rows back the rules (the rule
+        budget; readers that look at the whole checkpoint)."""
         if self.backing is not None:
             self.backing.check()
 
     def index(self, file: int) -> FileIndex:
-        """The parsed index of data file ``file`` (read on first use)."""
+        """The attached index of data file ``file`` (CorruptCheckpointError when the reader
+        did not fetch it: a manifest read alone, without its checkpoint)."""
         found = self._indexes.get(file)
         if found is None:
-            self.load_indexes([file])
-            found = self._indexes[file]
+            if file in self._refused:
+                raise CorruptCheckpointError(self._refused[file])
+            raise CorruptCheckpointError(f"this manifest was read without the index of {self.files[file].name}: "
+                                         "its file indexes cannot be read")
         return found
 
     def _tensor_meta(self) -> list[tuple[tuple[int, ...], int]]:
@@ -408,14 +421,10 @@ class Manifest:
     def resolve(self, ordinal: int, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> list[Chunk]:
         """The chunks of manifest tensor ``ordinal`` at the given (offsets, lengths, file),
         with byte ranges and checksums from the files' indexes."""
-        indexes = self._indexes
-        for _, _, f in boxes:
-            if f not in indexes:
-                self.load_indexes({f for _, _, f in boxes})
-                break
+        index_of = self.index
         out = []
         for offsets, lengths, f in boxes:
-            index = indexes[f]
+            index = index_of(f)
             row = index.row(ordinal, offsets)
             if row is not None:
                 chunk: Chunk | None = index.table.chunk(row)
@@ -798,6 +807,7 @@ def _parse_v3(body: dict[str, Any], spans: Any, head: bytes, version: tuple[int,
         claimed = sum(r.count_bound() for r in rules)
         manifest.backing = Backing(claimed, allowance(len(rules)), manifest.listed_rows)
         if claimed > free_boxes(len(head)):
+            manifest.backing.armed = True
             for r in rules:
                 r.backing = manifest.backing
     return manifest

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,11 +162,12 @@ def full_digest(src: torch.Tensor, block: int) -> str:
 
 
 def match(base: Base, assigned: list[Assignment], source: Any, meta: dict[str, tuple[str, tuple[int, ...]]],
-          block: int, memo: VersionMemo | None) -> dict[int, Match]:
+          block: int, memo: VersionMemo | None, fetch: Callable[[set[int]], None]) -> dict[int, Match]:
     """The assigned chunks (by position) whose bytes equal the base's; ``meta`` holds the
     (dtype, global shape) of every tensor that may be referred to (not rank-local ones).
     With a ``memo``, a chunk whose source is unchanged since the memo's save is not hashed
-    again."""
+    again. ``fetch`` attaches the base's indexes of the given files (the reader's
+    fetch-indexes phase: at once, several requests in flight on object stores)."""
     manifest = base.manifest
     if manifest.extra.get("checksum_block") != block or not base.candidates:
         return {}
@@ -182,7 +184,7 @@ def match(base: Base, assigned: list[Assignment], source: Any, meta: dict[str, t
         if len(boxes) != 1:
             continue
         wanted.append((i, a, ordinal, boxes[0][2]))
-    manifest.load_indexes({f for *_, f in wanted})  # at once (several requests in flight on object stores)
+    fetch({f for *_, f in wanted})
     found: dict[int, Match] = {}
     for i, a, ordinal, f in wanted:
         hit = manifest.index(f).find(ordinal, a.box.offsets)

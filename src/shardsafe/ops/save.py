@@ -49,6 +49,7 @@ from ..format.rules import Mesh, placements_json
 from ..format.rules import rule_problem as _rule_problem  # the reader's predicate (tests patch this name)
 from ..hints import warn_user
 from ..layout import Box
+from ..plan.load_plan import Dest
 from ..plan.save_plan import (
     ChunkWrite,
     FileWrite,
@@ -65,7 +66,7 @@ from ..state.sharding import dtensor_pieces, is_dtensor, layout_of, local_of
 from ..state.tree import FlatState, flatten, join_key
 from ..storage.base import Backend, Folder
 from .incremental import Base, VersionMemo, chain_depth, match, reference_rows
-from .load import Opened, read_manifest_phase
+from .metadata import Opened, fetch_cut_indexes, fetch_indexes, read_manifest_phase
 
 CHECKSUM_BLOCK = 1 << 20
 
@@ -413,7 +414,9 @@ def _refer(comm: Comm, described: Described, plan: GlobalPlan, assigned: list, o
                                       "save would replace")
         meta = {tl.key: (tl.dtype, tuple(tl.shape)) for tl in described.layouts}
         try:
-            found = match(base, assigned, described.source, meta, CHECKSUM_BLOCK, memo)
+            fetch_cut_indexes(opened, [Dest(a.key, a.box, False) for a in assigned])
+            found = match(base, assigned, described.source, meta, CHECKSUM_BLOCK, memo,
+                          lambda files: fetch_indexes(opened, files))
             mine = {m.chunk.file for m in found.values()}
             _check_referenced(opened, base, mine)
         except CheckpointError as exc:
