@@ -146,86 +146,78 @@ def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles:
 _INT = frozenset([int])
 
 
-def _tensors_v3_pass(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles: int, world: int,
-                     box_budget: int, batched: bool) -> tuple[dict[str, TensorEntry], int, list[Rule]] | None:
-    """:func:`_tensors_v3`, checking each box as it comes (``batched`` False), or all boxes
-    and dims at once at the end (``batched``: None when any check fails, with no error)."""
-    from .dtypes import name_itemsize
+class _Pass:
+    """One pass of :func:`_tensors_v3` over the tensors (see :func:`_tensors_v3_pass`)."""
 
-    if type(tensors_json) is not dict:
-        raise CorruptCheckpointError("inconsistent manifest: tensors is not an object")
-    if type(chunks_json) is not dict:
-        raise CorruptCheckpointError("inconsistent manifest: chunks is not an object")
-    o, n, f = chunks_json.get("o"), chunks_json.get("n"), chunks_json.get("f")
-    if not (type(o) is list and type(n) is list and type(f) is list and len(o) == len(n)
-            and all(set(map(type, col)) <= _INT for col in (o, n, f))):
-        raise CorruptCheckpointError("inconsistent manifest: chunks 'o', 'n', 'f' are not lists of integers")
-    out: dict[str, TensorEntry] = {}
-    row = dim = 0
-    known: set[tuple[Any, tuple[Any, ...]]] = set()  # (dtype, shape) validated
-    rules: dict[tuple, Rule] = {}
-    members = len(tensors_json)
-    dims: list[Any] = []  # batched: every dim of every tensor, their types checked at the end
-    bounds: list[int] = []  # batched: each box dim's bound (its tensor's dim)
-    by_boxes = TensorEntry.by_boxes
-    for key, t in tensors_json.items():
-        if type(t) is not dict:
-            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}' is not an object")
-        members += len(t)
-        dtype, shape, kind = t["dtype"], t["shape"], t.get("kind", "replicated")
-        shape_t = tuple(shape) if type(shape) is list else ()
-        if batched:
+    def __init__(self, chunks_json: Any, meshes: list[Mesh], nfiles: int, world: int, box_budget: int,
+                 batched: bool) -> None:
+        if type(chunks_json) is not dict:
+            raise CorruptCheckpointError("inconsistent manifest: chunks is not an object")
+        o, n, f = chunks_json.get("o"), chunks_json.get("n"), chunks_json.get("f")
+        if not (type(o) is list and type(n) is list and type(f) is list and len(o) == len(n)
+                and all(set(map(type, col)) <= _INT for col in (o, n, f))):
+            raise CorruptCheckpointError("inconsistent manifest: chunks 'o', 'n', 'f' are not lists of integers")
+        self.o, self.n, self.f = o, n, f
+        self.meshes, self.nfiles, self.world, self.box_budget, self.batched = meshes, nfiles, world, box_budget, batched
+        self.row = self.dim = 0
+        self.known: set[tuple[Any, tuple[Any, ...]]] = set()  # (dtype, shape) validated
+        self.rules: dict[tuple, Rule] = {}
+        self.dims: list[Any] = []  # batched: every dim of every tensor, their types checked at the end
+        self.bounds: list[int] = []  # batched: each box dim's bound (its tensor's dim)
+        from .dtypes import name_itemsize
+
+        self.itemsize = name_itemsize
+
+    def head(self, key: str, dtype: Any, shape: Any, shape_t: tuple[Any, ...]) -> None:
+        """Check a tensor's dtype and shape (once per distinct pair; batched: the dims' types
+        of a pair seen before are checked at the end)."""
+        if self.batched:
             try:
-                seen = (dtype, shape_t) in known and type(shape) is list
+                seen = (dtype, shape_t) in self.known and type(shape) is list
             except TypeError:
                 seen = False
             if seen:
-                dims.extend(shape)
+                self.dims.extend(shape)
         else:
             try:
-                seen = (dtype, shape_t) in known and set(map(type, shape)) <= _INT
+                seen = (dtype, shape_t) in self.known and set(map(type, shape)) <= _INT
             except TypeError:
                 seen = False
         if not seen:
-            _head_itemsize(key, dtype, shape, name_itemsize)
-            known.add((dtype, shape_t))
-        if kind not in ("replicated", "sharded"):
-            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': kind {_show(kind)} (rank-local "
-                                         "tensors are listed in the file indexes)")
-        rule = t.get("rule")
-        if rule is not None:
-            if batched and not set(map(type, shape_t)) <= _INT:
-                return None  # the careful pass names the bad dim before the rule uses it
-            if not (type(rule) is dict and set(rule) == {"mesh", "placements", "salt"}):
-                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': rule is not mesh, placements "
-                                             "and salt")
-            members += len(rule)
-            m, placements, salt = rule["mesh"], rule["placements"], rule["salt"]
-            if not (type(m) is int and 0 <= m < len(meshes) and type(placements) is list and _count(salt)
-                    and salt < _LIMIT):
-                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad rule mesh or salt")
-            if not shape_t or 0 in shape_t:
-                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': a rule needs a shape of "
-                                             "non-zero dims")
-            try:
-                parsed = tuple(parse_placement(p, len(shape_t), world) for p in placements)
-                rule_key = (shape_t, m, parsed, salt)
-                rule_obj = rules.get(rule_key)  # one Rule per geometry: its boxes are computed once
-                if rule_obj is None:
-                    rule_obj = rules[rule_key] = Rule(shape_t, meshes[m], parsed, salt)
-                    box_budget += RULE_SLACK - rule_obj.count_bound()
-                    if box_budget < 0:
-                        raise CorruptCheckpointError("its rules claim more chunks than the manifest allows and the "
-                                                     "file indexes can list")
-                out[key] = TensorEntry.by_rule(dtype, shape_t, kind, rule_obj)
-            except CorruptCheckpointError as exc:
-                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': {exc}") from None
-            continue
-        layout, span = t.get("layout"), t.get("chunks")
-        if not (layout is None or type(layout) is dict):
-            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad layout")
-        if layout is not None:
-            members += _object_members(layout)
+            _head_itemsize(key, dtype, shape, self.itemsize)
+            self.known.add((dtype, shape_t))
+
+    def by_rule(self, key: str, rule: Any, dtype: str, shape_t: tuple[int, ...], kind: str) -> TensorEntry:
+        """The entry of a rule tensor (one Rule per geometry, its bound charged once)."""
+        if not (type(rule) is dict and set(rule) == {"mesh", "placements", "salt"}):
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': rule is not mesh, placements "
+                                         "and salt")
+        m, placements, salt = rule["mesh"], rule["placements"], rule["salt"]
+        if not (type(m) is int and 0 <= m < len(self.meshes) and type(placements) is list and _count(salt)
+                and salt < _LIMIT):
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad rule mesh or salt")
+        if not shape_t or 0 in shape_t:
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': a rule needs a shape of "
+                                         "non-zero dims")
+        try:
+            parsed = tuple(parse_placement(p, len(shape_t), self.world) for p in placements)
+            rule_key = (shape_t, m, parsed, salt)
+            rule_obj = self.rules.get(rule_key)  # one Rule per geometry: its boxes are computed once
+            if rule_obj is None:
+                rule_obj = self.rules[rule_key] = Rule(shape_t, self.meshes[m], parsed, salt)
+                self.box_budget += RULE_SLACK - rule_obj.count_bound()
+                if self.box_budget < 0:
+                    raise CorruptCheckpointError("its rules claim more chunks than the manifest allows and the "
+                                                 "file indexes can list")
+            return TensorEntry.by_rule(dtype, shape_t, kind, rule_obj)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': {exc}") from None
+
+    def by_boxes(self, key: str, span: Any, dtype: str, shape_t: tuple[int, ...], kind: str,
+                 layout: Any) -> TensorEntry:
+        """The entry of a tensor with explicit boxes: rows ``span`` of the geometry table
+        (checked one by one, or batched: at the end)."""
+        o, n, f, row, dim = self.o, self.n, self.f, self.row, self.dim
         if not (type(span) is list and len(span) == 2 and type(span[0]) is int and span[0] == row
                 and type(span[1]) is int and 1 <= span[1] <= len(f) - row):
             raise CorruptCheckpointError(
@@ -233,43 +225,84 @@ def _tensors_v3_pass(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nf
                 f"{row} (where the previous tensor's chunks end), count >= 1, inside the table")
         nd = len(shape_t)
         count = span[1]
-        if batched:  # the boxes are checked below, all at once
+        if self.batched:  # the boxes are checked at the end, all at once
             if count == 1:
                 boxes = [(tuple(o[dim: dim + nd]), tuple(n[dim: dim + nd]), f[row])]
             else:
                 boxes = [(tuple(o[d: d + nd]), tuple(n[d: d + nd]), f[r])
                          for r, d in zip(range(row, row + count), range(dim, dim + count * nd, nd))]
-            dim += count * nd
-            bounds.extend(shape_t * count)
+            self.bounds.extend(shape_t * count)
         else:
-            boxes = []
-            for r in range(row, row + count):
-                bo, bn = tuple(o[dim: dim + nd]), tuple(n[dim: dim + nd])
-                dim += nd
-                if len(bn) != nd or not all(0 <= a and 0 <= b and a + b <= s for a, b, s in zip(bo, bn, shape_t)):
-                    raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}', chunk {r - row}: box "
-                                                 f"{list(bo)}+{list(bn)} is not inside shape {list(shape_t)}")
-                if not 0 <= f[r] < nfiles:
-                    raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}', chunk {r - row}: file "
-                                                 f"index {f[r]} is out of range")
-                boxes.append((bo, bn, f[r]))
-        row += count
-        out[key] = by_boxes(dtype, shape_t, kind, boxes, layout)
-    if row != len(f) or dim != len(o):
-        raise CorruptCheckpointError(f"inconsistent manifest: the tensors claim {row} chunks, the chunk table has "
-                                     f"{len(f)}")
-    if batched:
-        if not set(map(type, dims)) <= _INT:
-            return None
-        if o:
-            bo_, bn_, bound = (np.array(col, dtype=np.int64) for col in (o, n, bounds))  # OverflowError: None
+            boxes = [self._box(key, r, row, dim + (r - row) * nd, nd, shape_t) for r in range(row, row + count)]
+        self.dim = dim + count * nd
+        self.row = row + count
+        return TensorEntry.by_boxes(dtype, shape_t, kind, boxes, layout)
+
+    def _box(self, key: str, r: int, first: int, d: int, nd: int, shape_t: tuple[int, ...]
+             ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """Row ``r`` of the geometry table, checked (the careful pass)."""
+        bo, bn = tuple(self.o[d: d + nd]), tuple(self.n[d: d + nd])
+        if len(bn) != nd or not all(0 <= a and 0 <= b and a + b <= s for a, b, s in zip(bo, bn, shape_t)):
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}', chunk {r - first}: box "
+                                         f"{list(bo)}+{list(bn)} is not inside shape {list(shape_t)}")
+        if not 0 <= self.f[r] < self.nfiles:
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}', chunk {r - first}: file "
+                                         f"index {self.f[r]} is out of range")
+        return bo, bn, self.f[r]
+
+    def batched_ok(self) -> bool:
+        """The batched pass's checks of every box and dim at once (False: a doubt)."""
+        if not set(map(type, self.dims)) <= _INT:
+            return False
+        if self.o:
+            bo_, bn_, bound = (np.array(col, dtype=np.int64) for col in (self.o, self.n, self.bounds))  # OverflowError
             if not ((bo_ >= 0) & (bn_ >= 0) & (bo_ <= bound) & (bn_ <= bound - bo_)).all():
-                return None
-        if f:
-            files = np.array(f, dtype=np.int64)
-            if not ((files >= 0) & (files < nfiles)).all():
-                return None
-    return out, members, list(rules.values())
+                return False
+        if self.f:
+            files = np.array(self.f, dtype=np.int64)
+            if not ((files >= 0) & (files < self.nfiles)).all():
+                return False
+        return True
+
+
+def _tensors_v3_pass(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles: int, world: int,
+                     box_budget: int, batched: bool) -> tuple[dict[str, TensorEntry], int, list[Rule]] | None:
+    """:func:`_tensors_v3`, checking each box as it comes (``batched`` False), or all boxes
+    and dims at once at the end (``batched``: None when any check fails, with no error)."""
+    if type(tensors_json) is not dict:
+        raise CorruptCheckpointError("inconsistent manifest: tensors is not an object")
+    p = _Pass(chunks_json, meshes, nfiles, world, box_budget, batched)
+    out: dict[str, TensorEntry] = {}
+    members = len(tensors_json)
+    for key, t in tensors_json.items():
+        if type(t) is not dict:
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}' is not an object")
+        members += len(t)
+        dtype, shape, kind = t["dtype"], t["shape"], t.get("kind", "replicated")
+        shape_t = tuple(shape) if type(shape) is list else ()
+        p.head(key, dtype, shape, shape_t)
+        if kind not in ("replicated", "sharded"):
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': kind {_show(kind)} (rank-local "
+                                         "tensors are listed in the file indexes)")
+        rule = t.get("rule")
+        if rule is not None:
+            if batched and not set(map(type, shape_t)) <= _INT:
+                return None  # the careful pass names the bad dim before the rule uses it
+            members += len(rule) if type(rule) is dict and set(rule) == {"mesh", "placements", "salt"} else 0
+            out[key] = p.by_rule(key, rule, dtype, shape_t, kind)
+            continue
+        layout = t.get("layout")
+        if not (layout is None or type(layout) is dict):
+            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad layout")
+        if layout is not None:
+            members += _object_members(layout)
+        out[key] = p.by_boxes(key, t.get("chunks"), dtype, shape_t, kind, layout)
+    if p.row != len(p.f) or p.dim != len(p.o):
+        raise CorruptCheckpointError(f"inconsistent manifest: the tensors claim {p.row} chunks, the chunk table has "
+                                     f"{len(p.f)}")
+    if batched and not p.batched_ok():
+        return None
+    return out, members, list(p.rules.values())
 
 
 def encode_v3(m: Manifest) -> dict[str, Any]:

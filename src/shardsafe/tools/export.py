@@ -295,6 +295,12 @@ def export_checkpoint(
             cp.close()
 
 
+def read_tensors(reader: CheckpointReader, keys: list[str]) -> list[torch.Tensor]:
+    """The full tensors ``keys`` as fresh CPU tensors, read together (one plan, every
+    checksum verified): :meth:`CheckpointReader.read_many`."""
+    return reader.read_many(keys)
+
+
 @dataclass
 class _Job:
     """One export: the open reader and where the output goes."""
@@ -496,7 +502,7 @@ class Fetcher:
             batch = [b for b in self._batch_of.get(id(s), [s]) if id(b) not in self._given]
             if not any(b is s for b in batch):
                 batch = [s]  # asked for again: read it alone
-            tensors = self.reader.read_many([b.key for b in batch])
+            tensors = read_tensors(self.reader, [b.key for b in batch])
             self._ready = {id(b): x for b, x in zip(batch, tensors)}
             t = self._ready.pop(id(s))
         self._given.add(id(s))
