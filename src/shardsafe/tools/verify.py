@@ -217,15 +217,12 @@ def verify_checkpoint(path: PathLike, *, threads: int | None = None, progress: b
     return report
 
 
-def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | None = None) -> None:
+def _check_files(reader: CheckpointReader, report: VerifyReport, bad_index: set[int]
+                 ) -> tuple[set[int], dict[int, int]]:
+    """Open every data file and referenced file, report missing ones, wrong sizes and bad
+    headers; the usable files and every opened file's size."""
     manifest = reader.manifest
-    block = block_size(manifest)
     files = reader.files
-    report.files = len(manifest.files)
-    bad_index, index_problems = _indexes(reader)
-    report.problems.extend(index_problems)
-    report.problems.extend(_geometry(manifest, block, bad_index))
-    report.problems.extend(_values(manifest))
     files.check_sizes = False
     usable: set[int] = set()
     sizes: dict[int, int] = {}
@@ -263,6 +260,19 @@ def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | Non
         if sizes[nfiles + j] != ref.nbytes:
             report.problems.append(Problem(f"referenced file has {sizes[nfiles + j]} bytes, the manifest says "
                                            f"{ref.nbytes}", where))
+    return usable, sizes
+
+
+def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | None = None) -> None:
+    manifest = reader.manifest
+    block = block_size(manifest)
+    report.files = len(manifest.files)
+    bad_index, index_problems = _indexes(reader)
+    report.problems.extend(index_problems)
+    report.problems.extend(_geometry(manifest, block, bad_index))
+    report.problems.extend(_values(manifest))
+    usable, sizes = _check_files(reader, report, bad_index)
+    nfiles = len(manifest.files)
 
     def name_of(f: int) -> str:
         ref = manifest.ref_file(f)
