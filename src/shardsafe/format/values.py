@@ -38,7 +38,6 @@ from typing import Any
 from ..errors import CorruptCheckpointError, UnsupportedValueError
 
 _SAFE_INT = 1 << 53
-TAGS = ("$int", "$float", "$bytes", "$tuple", "$dict", "$tensor", "$rank_local")
 
 MAX_DEPTH = 200
 """Deepest nesting of JSON arrays/objects in one typed-JSON value (the tree, a rank-local
