@@ -110,12 +110,13 @@ class ReadPlan:
 
 
 def plan_phase(manifest: Manifest, fills: list[Fill], *, verify: bool, verify_fresh_first: bool,
-               max_buffer: int, geoms: Geometry = None) -> ReadPlan:
-    """Ops for every fill (their indexes fetched: ``geoms`` from the fetch phase); with
-    ``verify`` the blocks to check. Whole chunks landing in fresh memory are checked after
-    they land unless ``verify_fresh_first``. Reads nothing."""
+               max_buffer: int, geoms: Geometry = None, dests: list[Dest] | None = None) -> ReadPlan:
+    """Ops for every fill (``dests``: :func:`dests_of` the fills, when the caller has them;
+    their indexes fetched, ``geoms`` from the fetch phase); with ``verify`` the blocks to
+    check. Whole chunks landing in fresh memory are checked after they land unless
+    ``verify_fresh_first``. Reads nothing."""
     with gc_paused():  # one pause for both steps: their objects are collected once, afterwards
-        ops = plan_reads(manifest, dests_of(fills), max_buffer, geoms)
+        ops = plan_reads(manifest, dests_of(fills) if dests is None else dests, max_buffer, geoms)
         post: set[int] = set()
         if verify and not verify_fresh_first:
             post = {i for i, op in enumerate(ops)
@@ -298,9 +299,10 @@ def _verify_phases(load: _Load, backend: Backend, res: ReadResources, opts: Load
     try:
         opened = load.opened
         assert opened is not None
-        geoms = fetch_plan_indexes(opened, dests_of(load.mine))
+        dests = dests_of(load.mine)
+        geoms = fetch_plan_indexes(opened, dests)
         load.plan = plan_phase(opened.manifest, load.mine, verify=opts.verify, verify_fresh_first=True,
-                               max_buffer=max_buffer, geoms=geoms)
+                               max_buffer=max_buffer, geoms=geoms, dests=dests)
         load.files = OpenFiles(opened.folder, opened.manifest, digest=opened.digest, spill=backend.remote,
                                siblings=opened.siblings)
         open_files_phase(load.files, load.plan, res.fetch_threads)
@@ -389,9 +391,10 @@ def _load_full_once(backend: Backend, location: str, keys: list[str] | None, res
         matcher.result.raise_errors()
         fills = matcher.result.fills
         max_buffer = res.memory.fits(DEFAULT_MAX_BUFFER)
-        geoms = fetch_plan_indexes(opened, dests_of(fills))
+        dests = dests_of(fills)
+        geoms = fetch_plan_indexes(opened, dests)
         plan = plan_phase(manifest, fills, verify=verify, verify_fresh_first=False, max_buffer=max_buffer,
-                          geoms=geoms)
+                          geoms=geoms, dests=dests)
         with OpenFiles(opened.folder, manifest, digest=opened.digest, spill=backend.remote,
                        siblings=opened.siblings) as files:
             open_files_phase(files, plan, res.fetch_threads)

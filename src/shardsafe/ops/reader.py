@@ -61,9 +61,10 @@ class CheckpointReader:
         matcher = Matcher(self.manifest)
         tensors = [matcher.fresh_tensor(key) for key in keys]
         fills = matcher.result.fills
-        geoms = fetch_plan_indexes(self.opened, dests_of(fills))
+        dests = dests_of(fills)
+        geoms = fetch_plan_indexes(self.opened, dests)
         plan = plan_phase(self.manifest, fills, verify=self.verify, verify_fresh_first=False,
-                          max_buffer=self.max_buffer, geoms=geoms)
+                          max_buffer=self.max_buffer, geoms=geoms, dests=dests)
         open_files_phase(self.files, plan, self.fetch_threads)
         try:
             plan.verify_with(self.reader)
