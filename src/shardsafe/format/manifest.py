@@ -322,10 +322,6 @@ class Manifest:
             self._add_local_tensors(index)
             self._indexes[f] = index
 
-    def has_index(self, file: int) -> bool:
-        """True once file ``file``'s index is attached (always true before format 3)."""
-        return not self.indexed or file in self._indexes
-
     @property
     def cuts_need_indexes(self) -> bool:
         """True when cutting a rule first needs every file index (the rule budget is then
