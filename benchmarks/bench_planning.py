@@ -61,10 +61,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, md_table, median, mib, write_json  # noqa: E402
 from _dist_common import loadavg, source_state, verdict  # noqa: E402
 
-import shardsafe.format.manifest as manifest_mod  # noqa: E402
+import shardsafe.format.manifest_legacy as manifest_mod  # noqa: E402
 from shardsafe.format.checksum import checksum  # noqa: E402
 from shardsafe.format.file_index import data_name  # noqa: E402
-from shardsafe.format.manifest import _TRAILER, Chunk, FileEntry, Manifest, TensorEntry  # noqa: E402
+from shardsafe.format.manifest import Chunk, FileEntry, Manifest, TensorEntry  # noqa: E402
+from shardsafe.format.manifest_codec import _TRAILER  # noqa: E402
 from shardsafe.layout import Box  # noqa: E402
 from shardsafe.plan.load_plan import plan_reads  # noqa: E402
 from shardsafe.plan.save_plan import GlobalPlan, HeldTensor, plan_global  # noqa: E402

@@ -5,7 +5,7 @@
 Drives the real save planner (``plan_global`` over every rank's layout, as gathered),
 index writer (``plan_file`` + ``build_index`` for the ranks a measured load reads),
 manifest builder (``build_manifest`` from per-rank summaries, ``Manifest.to_bytes``),
-manifest and index reader (``Manifest.from_bytes``, ``load_indexes``) and load planner
+manifest and index reader (``Manifest.from_bytes``, ``attach_indexes``) and load planner
 (``plan_reads`` + ``block_checks``) for a Llama-3-405B-shaped state (126 layers, dim 16384,
 FFN 53248, vocab 128256: 1,137 parameters, fp32; AdamW: exp_avg and exp_avg_sq with the
 parameter's layout, and a 0-d ``step`` per parameter, replicated) plus a ~7 KB rank-local
@@ -276,9 +276,11 @@ def measure_load(manifest_bytes: bytes, dests: list[Dest], by_name: dict[str, by
         return got
 
     def parse() -> Manifest:
-        m = Manifest.from_bytes(manifest_bytes)
-        m.index_source = source
-        return m
+        return Manifest.from_bytes(manifest_bytes)
+
+    def attach(m: Manifest, wanted: set[int]) -> None:  # what ops.metadata.fetch_indexes does
+        requests = m.index_requests(wanted)
+        m.attach_indexes([(f, data) for (f, _, _), data in zip(requests, source([(n, s) for _, n, s in requests]))])
 
     t_parse, m = cpu(parse, reps)
 
@@ -288,7 +290,7 @@ def measure_load(manifest_bytes: bytes, dests: list[Dest], by_name: dict[str, by
         fresh = parse()
         read.clear()
         t0 = time.process_time()
-        fresh.load_indexes(files)
+        attach(fresh, files)
         return time.process_time() - t0
 
     t_index = statistics.median(fresh_index_load() for _ in range(reps))
@@ -296,7 +298,7 @@ def measure_load(manifest_bytes: bytes, dests: list[Dest], by_name: dict[str, by
 
     def plan() -> list:
         fresh = parse()  # a fresh manifest (no geometry computed yet), its indexes read
-        fresh.load_indexes(files)
+        attach(fresh, files)
         gc.collect(0)  # the parse's young objects (it pauses the GC too): not planning's to pay
         t0 = time.process_time()
         with gc_paused():  # as loading.plan_phase runs them

@@ -20,7 +20,8 @@ from shardsafe.format import strict_json
 from shardsafe.format.checksum import checksum
 from shardsafe.format.datafile import ChunkEntry, build_header, chunk_name
 from shardsafe.format.dtypes import safetensors_code, torch_dtype
-from shardsafe.format.manifest import MANIFEST_NAME, Manifest, _tensors_v3, _tensors_v3_pass
+from shardsafe.format.manifest import MANIFEST_NAME, Manifest
+from shardsafe.format.manifest_v3 import _tensors_v3, _tensors_v3_pass
 
 TRAILER = b', "manifest_xxh3_64": "'
 

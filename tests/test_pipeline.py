@@ -22,7 +22,8 @@ import shardsafe
 from bitwise import assert_bitwise
 from format2 import as_format2
 from shardsafe.format.checksum import checksum
-from shardsafe.format.manifest import _TRAILER, MANIFEST_NAME
+from shardsafe.format.manifest import MANIFEST_NAME
+from shardsafe.format.manifest_codec import _TRAILER
 from shardsafe.layout import Box
 from shardsafe.plan.save_plan import Assignment, HeldTensor, plan_file, plan_global
 from shardsafe.storage.faults import Fault, FaultyBackend

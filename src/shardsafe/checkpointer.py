@@ -15,7 +15,6 @@ import atexit
 import json
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -27,36 +26,20 @@ import torch.distributed as dist
 
 from .comm import Comm, destroy_groups, resolve
 from .engine.memory import HostMemory
-from .engine.reader import OpenFiles, Reader
-from .errors import CheckpointChangedError, CheckpointError
+from .errors import CheckpointError
 from .exit_settle import guard_destroy, settle_gloo_workers
 from .format.manifest import Manifest
 from .hints import as_keys
-from .layout import Box
 from .ops.incremental import VersionMemo
-from .ops.load import (
-    DEFAULT_MAX_BUFFER,
-    CheckpointReader,
-    LoadInfo,
-    Opened,
-    apply_phase,
-    block_size,
-    land_phase,
-    open_files_phase,
-    plan_phase,
-    read_manifest_phase,
-)
+from .ops.load import DEFAULT_MAX_BUFFER, LoadInfo, LoadOptions, ReadResources, load_full_tree, load_in_place
+from .ops.metadata import fetch_all_indexes, read_manifest_phase
+from .ops.reader import CheckpointReader
 from .ops.save import PlanCache, SaveInfo, SaveRequest, StagedSave, StagePolicy, complete, stage_policy, start
-from .plan.share_plan import Shared, plan_sharing
-from .state.context import active_group
-from .state.match import Fill, Matcher
-from .state.saved import check_tree, select
 from .storage.base import Backend
 from .storage.urls import OBJECT_SCHEMES, default_backends
 from .storage.urls import resolve as resolve_location
 
 PathLike = str | os.PathLike
-LOAD_RETRIES = 3  # a load that sees its checkpoint replaced mid-way starts again this often
 
 
 class SaveFuture:
@@ -244,6 +227,10 @@ class Checkpointer:
         return Comm(cached[1], base.rank, base.world)
 
     # -- loading ------------------------------------------------------------------------
+    def _resources(self) -> ReadResources:
+        """What a load borrows from this Checkpointer (ops/load.py runs the protocol)."""
+        return ReadResources(self.memory, self.read_threads, self.fetch_threads)
+
     def read_manifest(self, path: PathLike, storage_options: dict[str, Any] | None = None, *,
                       indexes: bool = True) -> Manifest:
         """Parse and verify the manifest of the committed checkpoint at ``path``; with
@@ -255,11 +242,9 @@ class Checkpointer:
         opened = read_manifest_phase(backend, location)
         try:
             if indexes:
-                opened.manifest.load_all_indexes()
+                fetch_all_indexes(opened)
         finally:
             opened.close()
-        if not indexes:
-            opened.manifest.index_source = None
         return opened.manifest
 
     def load(self, state_dict: dict[str, Any], path: PathLike, *, strict: bool = True, verify: bool = True,
@@ -273,85 +258,8 @@ class Checkpointer:
         comm = resolve(process_group)
         backend, location = self.locate(path, storage_options)
         bcast = backend.remote if broadcast_replicated is None else broadcast_replicated
-        for attempt in range(LOAD_RETRIES):
-            try:
-                with active_group(comm.group, comm.rank, comm.world):
-                    return self._load_once(state_dict, backend, location, comm, strict, verify, max_buffer, exclude,
-                                           cast_dtype, bcast and comm.distributed)
-            except CheckpointChangedError:
-                if attempt == LOAD_RETRIES - 1:
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _load_once(self, state_dict: dict[str, Any], backend: Backend, location: str, comm: Comm, strict: bool,
-                   verify: bool, max_buffer: int, exclude: Any, cast_dtype: bool = False,
-                   broadcast: bool = False) -> LoadInfo:
-        t0 = time.perf_counter()
-        retries0 = backend.retries
-        max_buffer = self.memory.fits(max_buffer)
-        error: BaseException | None = None
-        opened: Opened | None = None
-        files: OpenFiles | None = None
-        fetched = 0
-        reader: Reader | None = None
-        result = plan = None
-        verified = 0
-        try:
-            opened = read_manifest_phase(backend, location)
-            manifest = opened.manifest
-            check_tree(manifest)
-            matcher = Matcher(manifest, rank=comm.rank, strict=strict, exclude=exclude, world=comm.world,
-                              cast_dtype=cast_dtype)
-            matcher.match(state_dict, manifest.tree, [], top=True)
-            matcher.check_exclude(manifest.tree)
-            result = matcher.result
-            result.raise_errors()
-        except Exception as exc:  # noqa: BLE001 - agreed on by every rank below
-            error = exc
-        # Replicated tensors every rank needs whole: one rank reads each, then sends it.
-        shared = broadcast_plan(comm, result.fills if error is None and result else None,
-                                opened.manifest if opened else None) if broadcast else []
-        mine = [] if result is None else reading_fills(result.fills, shared, comm.rank)
-        try:
-            if error is None:
-                assert opened is not None
-                plan = plan_phase(opened.manifest, mine, verify=verify, verify_fresh_first=True,
-                                  max_buffer=max_buffer)
-                files = OpenFiles(opened.folder, opened.manifest, digest=opened.digest, spill=backend.remote,
-                                  siblings=opened.siblings)
-                open_files_phase(files, plan, self.fetch_threads)
-                reader = Reader(files, self.memory, self.read_threads)
-                verified = plan.verify_with(reader)
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-        try:
-            comm.agree(error, opened.digest if opened is not None else None, f" at {location}")
-            copied = 0
-            try:
-                assert reader is not None and plan is not None and result is not None and opened is not None
-                copied = land_phase(reader, plan, mine, max_buffer, block_size(opened.manifest))
-            except Exception as exc:  # noqa: BLE001
-                error = exc
-            comm.agree(error)
-        finally:
-            if files is not None:
-                fetched = files.fetched
-                files.close()
-            if opened is not None:
-                opened.close()
-        assert result is not None
-        received = 0
-        for s in shared:  # the same order on every rank
-            received += comm.share_tensor(piece_of(result.fills[s.index], s.piece), s.owner, s.members)
-        error = None
-        try:
-            apply_phase(result)
-        except Exception as exc:  # noqa: BLE001 - every rank raises the same error
-            error = exc
-        comm.agree(error)
-        return LoadInfo(location, verified if verify else copied, len({f.key for f in result.fills}),
-                        time.perf_counter() - t0, copied, bytes_received=received,
-                        retries=backend.retries - retries0, bytes_fetched=fetched)
+        opts = LoadOptions(strict, verify, max_buffer, exclude, cast_dtype, bcast and comm.distributed)
+        return load_in_place(state_dict, backend, location, comm, self._resources(), opts)
 
     def load_full(self, path: PathLike, keys: str | Iterable[str] | None = None, *, verify: bool = True,
                   rank: int = 0, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -359,37 +267,7 @@ class Checkpointer:
         self._check_open()
         keys = as_keys(keys, "keys")
         backend, location = self.locate(path, storage_options)
-        for attempt in range(LOAD_RETRIES):
-            try:
-                return self._load_full_once(backend, location, keys, verify, rank)
-            except CheckpointChangedError:
-                if attempt == LOAD_RETRIES - 1:
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _load_full_once(self, backend: Backend, location: str, keys: Any, verify: bool, rank: int) -> Any:
-        opened = read_manifest_phase(backend, location)
-        try:
-            manifest = opened.manifest
-            check_tree(manifest)
-            tree = manifest.tree
-            if keys is not None:
-                tree = select(tree, list(keys))
-            matcher = Matcher(manifest, rank=rank)
-            value = matcher.materialize(tree)
-            matcher.result.raise_errors()
-            fills = matcher.result.fills
-            max_buffer = self.memory.fits(DEFAULT_MAX_BUFFER)
-            plan = plan_phase(manifest, fills, verify=verify, verify_fresh_first=False, max_buffer=max_buffer)
-            with OpenFiles(opened.folder, manifest, digest=opened.digest, spill=backend.remote,
-                           siblings=opened.siblings) as files:
-                open_files_phase(files, plan, self.fetch_threads)
-                reader = Reader(files, self.memory, self.read_threads)
-                plan.verify_with(reader)
-                land_phase(reader, plan, fills, max_buffer, block_size(manifest))
-            return value
-        finally:
-            opened.close()
+        return load_full_tree(backend, location, keys, self._resources(), verify=verify, rank=rank)
 
     def delete(self, path: PathLike, storage_options: dict[str, Any] | None = None) -> bool:
         """Delete the checkpoint at ``path`` so that no reader ever sees it half deleted
@@ -460,58 +338,6 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def broadcast_plan(comm: Comm, fills: list | None, manifest: Any) -> list[Shared]:
-    """The pieces of boxes this rank shares with others (an identical key and box needed
-    whole by several ranks), planned by :func:`plan_sharing` from one all-gather of every
-    rank's (key, box, bytes) list, as JSON (no pickle); ``Shared.index`` is a fill index.
-    Empty when a rank has no fills (its error is agreed on later)."""
-    mine: dict[tuple, int] = {}
-    requests: list[list] = []
-    device = comm._device() if comm.distributed else None  # where this group's collectives take tensors
-    if fills is not None and manifest is not None:
-        for i, f in enumerate(fills):
-            entry = manifest.tensors.get(f.key)
-            if entry is None or entry.kind == "rank_local" or f.fresh or f.cast:
-                continue
-            if device is not None and str(f.tensor.device) != device:
-                continue  # gloo sends CPU tensors only, NCCL tensors on the current GPU only
-            if tuple(f.tensor.shape) != tuple(f.box.lengths):
-                continue  # not a plain view of its box: read by every rank
-            box = (f.key, tuple(f.box.offsets), tuple(f.box.lengths))
-            if box not in mine:
-                mine[box] = i
-                requests.append([f.key, list(f.box.offsets), list(f.box.lengths),
-                                 f.tensor.numel() * f.tensor.element_size()])
-    wire = b"-" if fills is None else json.dumps(requests).encode()
-    everyone = comm.all_gather_bytes(wire)
-    if any(w == b"-" for w in everyone):
-        return []
-    gathered = [[(k, tuple(o), tuple(n), b) for k, o, n, b in json.loads(w)] for w in everyone]
-    fill_of = list(mine.values())
-    return [s._replace(index=fill_of[s.index]) for s in plan_sharing(manifest, gathered, comm.rank)]
-
-
-def piece_of(fill: Fill, piece: Box) -> Any:
-    """The view of ``fill.tensor`` that holds ``piece`` (global coordinates)."""
-    t = fill.tensor
-    for d, (o, n, fo) in enumerate(zip(piece.offsets, piece.lengths, fill.box.offsets)):
-        if o != fo or n != t.shape[d]:
-            t = t.narrow(d, o - fo, n)
-    return t
-
-
-def reading_fills(fills: list[Fill], shared: list[Shared], rank: int) -> list[Fill]:
-    """The fills this rank reads: those it shares with nobody, and the pieces it owns of
-    those it shares (a view of the fill's tensor each)."""
-    split = {s.index for s in shared}
-    out = [f for i, f in enumerate(fills) if i not in split]
-    for s in shared:
-        if s.owner == rank:
-            f = fills[s.index]
-            out.append(f if s.piece == f.box else Fill(f.key, piece_of(f, s.piece), s.piece, fresh=False))
-    return out
 
 
 def _complete_into(staged: StagedSave, future: SaveFuture) -> None:

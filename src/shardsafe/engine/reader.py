@@ -178,7 +178,8 @@ class OpenFiles:
         """Verify file ``index``'s header against the manifest (once per session)."""
         if index in self.headers_ok or index >= len(self.manifest.files):
             return  # a referenced file: its chunks' block checksums (in this checkpoint's index) verify its bytes
-        self.manifest.load_indexes([index])  # format 3: the header's size and digest are in the index
+        if self.manifest.indexed:
+            self.manifest.index(index)  # format 3: the header's size and digest are in the (fetched) index
         entry = self.manifest.files[index]
         buf = bytearray(entry.header_bytes)
         self.handle(index).read_into([memoryview(buf)], 0)

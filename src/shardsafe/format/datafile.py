@@ -16,9 +16,10 @@ import math
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ..errors import CorruptCheckpointError
+from .strict_json import _STRICT
 
 HEADER_ALIGN = 8
 METADATA = {"format": "pt", "producer": "shardsafe"}
@@ -119,24 +120,6 @@ def _itemsizes() -> dict[str, int]:
     return {code: dt.itemsize for dt, code in TORCH_TO_CODE.items()}
 
 
-def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ValueError(f"duplicate key {key[:200]!r}")
-            seen.add(key)
-    return obj
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-_HEADER_JSON = json.JSONDecoder(object_pairs_hook=_unique_object, parse_constant=_no_constant)
-
-
 def parse_header(data: bytes, where: str, file_bytes: int | None = None) -> dict[str, HeaderEntry]:
     """The tensors of the safetensors header at the start of ``data`` (the 8-byte length
     and the JSON header; anything after them is ignored), by name, validated strictly.
@@ -164,7 +147,7 @@ def parse_header(data: bytes, where: str, file_bytes: int | None = None) -> dict
         raise bad(f"claims {n} bytes of JSON, the file has {file_bytes} bytes")
     try:
         text = data[8: 8 + n].decode("utf-8")
-        body, end = _HEADER_JSON.raw_decode(text)
+        body, end = _STRICT(text, 0)  # the manifest's strict decoder: no duplicate keys, NaN or Infinity
         if text[end:].strip(" "):
             raise ValueError("the JSON object is followed by something other than spaces")
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors

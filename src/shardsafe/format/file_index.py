@@ -171,91 +171,119 @@ class FileIndex:
         ``tensors`` holds (shape, itemsize) of each manifest tensor, in order;
         ``ref_files`` (name, size) the manifest's referenced files, numbered from
         ``first_ref``; errors name ``where``."""
-        from .dtypes import name_itemsize
-
         body, spans = _parse_json(data, where, "file index")
         try:
-            version = body.get("version")
-            if body.get("format") != INDEX_FORMAT or not (type(version) is list and len(version) == 2 and all(
-                    type(v) is int for v in version) and version[0] == INDEX_VERSION[0]):
-                raise CorruptCheckpointError(f"not a format-{INDEX_VERSION[0]} shardsafe file index")
-            if type(body.get("rank")) is not int or body.get("rank") != rank:  # JSON false equals 0
-                raise CorruptCheckpointError(f"index of rank {_show(body.get('rank'))}, the manifest says {rank}")
-            header_bytes, header_x = body["header_bytes"], body["header_x"]
-            if not (_count(header_bytes) and 8 <= header_bytes <= nbytes):
-                raise CorruptCheckpointError(f"header_bytes {_show(header_bytes)} is not from 8 to the file's "
-                                             f"{nbytes} bytes")
-            if not (type(header_x) is str and len(header_x) == HEX):
-                raise CorruptCheckpointError("bad header checksum")
-            local_json, rank_local = body["tensors"], body["rank_local"]
-            if type(local_json) is not dict or type(rank_local) is not dict:
-                raise CorruptCheckpointError("tensors or rank_local is not an object")
-            local: dict[str, tuple[str, tuple[int, ...]]] = {}
-            shapes = [s for s, _ in tensors]
-            sizes = [z for _, z in tensors]
-            for key, t in local_json.items():
-                if type(t) is not dict or set(t) != {"dtype", "shape", "kind"} or t["kind"] != "rank_local":
-                    raise CorruptCheckpointError(f"rank-local tensor '{key}' is not a dtype, shape and kind")
-                dtype, shape = t["dtype"], t["shape"]
-                size = name_itemsize(dtype) if isinstance(dtype, str) else None
-                if not (size and type(shape) is list and all(_count(d) and d < (1 << 62) for d in shape)
-                        and prod(shape) * size < (1 << 62)):
-                    raise CorruptCheckpointError(f"rank-local tensor '{key}': bad dtype {_show(dtype)} or shape")
-                local[key] = (dtype, tuple(shape))
-                shapes.append(tuple(shape))
-                sizes.append(size)
-            cols = body["chunks"]
-            if type(cols) is not dict:
-                raise CorruptCheckpointError("chunks is not an object")
-            ords = cols.get("t")
-            if not (type(ords) is list and set(map(type, ords)) <= {int}):
-                raise CorruptCheckpointError("chunks 't' is not a list of tensor ordinals")
-            if ords != sorted(ords) or (ords and (ords[0] < 0 or ords[-1] >= len(shapes))):  # sorted: ends bound
-                raise CorruptCheckpointError(f"chunks 't' holds an ordinal out of range (0..{len(shapes) - 1}) or "
-                                             "is not sorted")
-            ndim = np.fromiter(map(len, shapes), dtype=np.int64, count=len(shapes))[np.asarray(ords, dtype=np.int64)]
-            table = ChunkTable.from_json({**cols, "f": [0] * len(ords)}, ndim, block, [rank])
-            firsts = np.searchsorted(np.asarray(ords, dtype=np.int64), np.arange(len(shapes) + 1), side="left")
-            name = where.rsplit("/", 1)[-1]
-            bad = table.problem(shapes, sizes, firsts, np.array([header_bytes], dtype=np.int64),
-                                np.array([nbytes], dtype=np.int64), [name])
-            if bad is not None:
-                c, what = bad
-                raise CorruptCheckpointError(f"chunk table: {what}" if c < 0 else f"chunk {c}: {what}")
-            _check_values(rank_local, local)
-            # Validated: the rows' file is this file, written by ``rank``; the columns become
-            # Python lists once, so chunks are built without numpy calls.
-            table.file = np.full(len(ords), file, dtype=np.int64)
-            table.file_ranks = {file: rank}  # type: ignore[assignment]
-            table.chunks(0, 0)
-            index = FileIndex(file, rank, header_bytes, header_x, table, ords, local, rank_local)
-            if "h" in cols:
-                index.digests = check_digests(cols["h"], len(ords), "chunks")
-            if "refs" in body:
-                _parse_refs(index, body["refs"], ref_files or [], first_ref, shapes[: len(tensors)],
-                            sizes[: len(tensors)], block, rank)
-            offsets = table.offsets.tolist()
-            dims = table.dims.tolist()
-            previous: tuple[int, list[int]] | None = None
-            # Sorted by (ordinal, offsets), no two rows at one place (a given when every
-            # ordinal is listed once: they are sorted already).
-            for r, t in enumerate(ords if len(set(ords)) != len(ords) else ()):
-                here = (t, offsets[dims[r]: dims[r + 1]])
-                if previous is not None and here <= previous:
-                    raise CorruptCheckpointError(f"chunk {r}: rows are not sorted by tensor and offsets, or tensor {t} "
-                                                 f"has two chunks at {here[1]}")
-                previous = here
-            members = len(local_json) + sum(len(t) for t in local_json.values())
-            if members != spans.counted.get("tensors", members):  # fewer parsed than written: a duplicate key
-                dup = _duplicate(data[:-1] if data.endswith(b"}") else data, spans)
-                if dup:
-                    raise CorruptCheckpointError(dup)
-            return index
+            return _parse_body(body, spans, data, where, file, rank, nbytes, block, tensors, ref_files or [],
+                               first_ref)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"{where}: corrupt file index: {exc}") from None
         except (KeyError, TypeError, IndexError, AttributeError, ValueError, OverflowError) as exc:
             raise CorruptCheckpointError(f"{where}: corrupt file index: a field is missing or mistyped: "
                                          f"{exc!r}") from None
+
+
+def _parse_body(body: dict[str, Any], spans: Any, data: bytes, where: str, file: int, rank: int, nbytes: int,
+                block: int, tensors: list[tuple[tuple[int, ...], int]], ref_files: list[tuple[str, int]],
+                first_ref: int) -> FileIndex:
+    """:meth:`FileIndex.parse` of the parsed JSON ``body`` (errors without ``where``)."""
+    header_bytes, header_x = _check_head(body, rank, nbytes)
+    local_json, rank_local = body["tensors"], body["rank_local"]
+    if type(local_json) is not dict or type(rank_local) is not dict:
+        raise CorruptCheckpointError("tensors or rank_local is not an object")
+    local, shapes, sizes = _local_tensors(local_json, tensors)
+    cols = body["chunks"]
+    if type(cols) is not dict:
+        raise CorruptCheckpointError("chunks is not an object")
+    ords = cols.get("t")
+    if not (type(ords) is list and set(map(type, ords)) <= {int}):
+        raise CorruptCheckpointError("chunks 't' is not a list of tensor ordinals")
+    if ords != sorted(ords) or (ords and (ords[0] < 0 or ords[-1] >= len(shapes))):  # sorted: ends bound
+        raise CorruptCheckpointError(f"chunks 't' holds an ordinal out of range (0..{len(shapes) - 1}) or "
+                                     "is not sorted")
+    ndim = np.fromiter(map(len, shapes), dtype=np.int64, count=len(shapes))[np.asarray(ords, dtype=np.int64)]
+    table = ChunkTable.from_json({**cols, "f": [0] * len(ords)}, ndim, block, [rank])
+    firsts = np.searchsorted(np.asarray(ords, dtype=np.int64), np.arange(len(shapes) + 1), side="left")
+    name = where.rsplit("/", 1)[-1]
+    bad = table.problem(shapes, sizes, firsts, np.array([header_bytes], dtype=np.int64),
+                        np.array([nbytes], dtype=np.int64), [name])
+    if bad is not None:
+        c, what = bad
+        raise CorruptCheckpointError(f"chunk table: {what}" if c < 0 else f"chunk {c}: {what}")
+    _check_values(rank_local, local)
+    # Validated: the rows' file is this file, written by ``rank``; the columns become
+    # Python lists once, so chunks are built without numpy calls.
+    table.file = np.full(len(ords), file, dtype=np.int64)
+    table.file_ranks = {file: rank}  # type: ignore[assignment]
+    table.chunks(0, 0)
+    index = FileIndex(file, rank, header_bytes, header_x, table, ords, local, rank_local)
+    if "h" in cols:
+        index.digests = check_digests(cols["h"], len(ords), "chunks")
+    if "refs" in body:
+        _parse_refs(index, body["refs"], ref_files, first_ref, shapes[: len(tensors)], sizes[: len(tensors)], block,
+                    rank)
+    _check_row_order(ords, table)
+    members = len(local_json) + sum(len(t) for t in local_json.values())
+    if members != spans.counted.get("tensors", members):  # fewer parsed than written: a duplicate key
+        dup = _duplicate(data[:-1] if data.endswith(b"}") else data, spans)
+        if dup:
+            raise CorruptCheckpointError(dup)
+    return index
+
+
+def _check_head(body: dict[str, Any], rank: int, nbytes: int) -> tuple[int, str]:
+    """The index's format, rank and header size and digest, checked."""
+    version = body.get("version")
+    if body.get("format") != INDEX_FORMAT or not (type(version) is list and len(version) == 2 and all(
+            type(v) is int for v in version) and version[0] == INDEX_VERSION[0]):
+        raise CorruptCheckpointError(f"not a format-{INDEX_VERSION[0]} shardsafe file index")
+    if type(body.get("rank")) is not int or body.get("rank") != rank:  # JSON false equals 0
+        raise CorruptCheckpointError(f"index of rank {_show(body.get('rank'))}, the manifest says {rank}")
+    header_bytes, header_x = body["header_bytes"], body["header_x"]
+    if not (_count(header_bytes) and 8 <= header_bytes <= nbytes):
+        raise CorruptCheckpointError(f"header_bytes {_show(header_bytes)} is not from 8 to the file's "
+                                     f"{nbytes} bytes")
+    if not (type(header_x) is str and len(header_x) == HEX):
+        raise CorruptCheckpointError("bad header checksum")
+    return header_bytes, header_x
+
+
+def _local_tensors(local_json: dict[str, Any], tensors: list[tuple[tuple[int, ...], int]]
+                   ) -> tuple[dict[str, tuple[str, tuple[int, ...]]], list[tuple[int, ...]], list[int]]:
+    """The index's rank-local tensors, and the (shape, itemsize) columns of every tensor
+    its rows may name (the manifest's, then these)."""
+    from .dtypes import name_itemsize
+
+    local: dict[str, tuple[str, tuple[int, ...]]] = {}
+    shapes = [s for s, _ in tensors]
+    sizes = [z for _, z in tensors]
+    for key, t in local_json.items():
+        if type(t) is not dict or set(t) != {"dtype", "shape", "kind"} or t["kind"] != "rank_local":
+            raise CorruptCheckpointError(f"rank-local tensor '{key}' is not a dtype, shape and kind")
+        dtype, shape = t["dtype"], t["shape"]
+        size = name_itemsize(dtype) if isinstance(dtype, str) else None
+        if not (size and type(shape) is list and all(_count(d) and d < (1 << 62) for d in shape)
+                and prod(shape) * size < (1 << 62)):
+            raise CorruptCheckpointError(f"rank-local tensor '{key}': bad dtype {_show(dtype)} or shape")
+        local[key] = (dtype, tuple(shape))
+        shapes.append(tuple(shape))
+        sizes.append(size)
+    return local, shapes, sizes
+
+
+def _check_row_order(ords: list[int], table: ChunkTable) -> None:
+    """Rows sorted by (ordinal, offsets), no two at one place (a given when every ordinal
+    is listed once: they are sorted already)."""
+    if len(set(ords)) == len(ords):
+        return
+    offsets = table.offsets.tolist()
+    dims = table.dims.tolist()
+    previous: tuple[int, list[int]] | None = None
+    for r, t in enumerate(ords):
+        here = (t, offsets[dims[r]: dims[r + 1]])
+        if previous is not None and here <= previous:
+            raise CorruptCheckpointError(f"chunk {r}: rows are not sorted by tensor and offsets, or tensor {t} "
+                                         f"has two chunks at {here[1]}")
+        previous = here
 
 
 def _parse_refs(index: FileIndex, cols: Any, ref_files: list[tuple[str, int]], first_ref: int,

@@ -1,53 +1,29 @@
-"""The manifest: one JSON file per checkpoint that describes everything in it.
+"""The manifest model: one JSON file per checkpoint describes everything in it.
 
-It is written last; a directory without a valid manifest is not a checkpoint. Its own
-integrity is protected by a trailing XXH3-64 over the bytes that precede the trailer.
-Format 3 (what saves write) keeps it O(tensors + files): rule tensors' chunks are computed
-(rules.py) and byte ranges, checksums and rank-local values are read from the indexes of
-the files a caller needs (file_index.py), verified against digests listed here. Formats 1
-and 2 (every chunk in the manifest) are still read.
+It is written last; a directory without a valid manifest is not a checkpoint. Format 3
+(what saves write) keeps it O(tensors + files): rule tensors' chunks are computed
+(rules.py) and byte ranges, checksums and rank-local values are looked up in the indexes
+of the files a reader needs (file_index.py), fetched by the reader and attached here after
+they verify against the digests the manifest lists. This module does no I/O and holds no
+codec: bytes <-> Manifest is manifest_codec.py (the 3.x codec in manifest_v3.py, the
+1.x/2.x readers in manifest_legacy.py).
 """
 
 from __future__ import annotations
 
-import json
-import re
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from math import prod
 from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError, FormatVersionError
-from ..gcpause import gc_paused
-from .checksum import ALGORITHM, checksum
-from .chunk_table import HEX, Chunk, ChunkTable, table_json
+from ..errors import CorruptCheckpointError
+from .chunk_table import Chunk, ChunkTable
 from .file_index import FileIndex, data_name, index_name, verify_index
-from .refs import RefFile, parse_refs, refs_json
-from .rules import (
-    FREE_BOXES,
-    INDEX_BYTES_PER_ROW,
-    RULE_SLACK,
-    Backing,
-    Mesh,
-    Rule,
-    allowance,
-    free_boxes,
-    parse_placement,
-)
-from .strict_json import (  # noqa: F401 (MAX_MEMBER_DEPTH re-exported)
-    MAX_MEMBER_DEPTH,
-    MAX_NAME_BYTES,
-    NOT_IN_NAME,
-    SIZE_LIMIT,
-    _count,
-    _duplicate,
-    _parse_json,
-    _show,
-)
+from .manifest_checks import MAX_CHECKSUM_BLOCK, MAX_FILE_NAME_BYTES  # noqa: F401 (re-exported)
+from .refs import RefFile
+from .rules import Backing, Mesh, Rule
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "shardsafe"
@@ -57,20 +33,8 @@ digests, and (incremental saves) references to other checkpoints' data files."""
 TABLE_VERSION = (2, 0)
 """The layout of a Manifest built from explicit chunk lists (every chunk in one table)."""
 READABLE_MAJORS = (1, 2, 3)
-_TRAILER = b', "manifest_xxh3_64": "'
 
 KINDS = ("replicated", "sharded", "rank_local")
-
-MAX_CHECKSUM_BLOCK = 1 << 26
-"""Largest ``extra.checksum_block`` a reader accepts (64 MiB, the default staging buffer;
-shardsafe writes 1 MiB): a partial read never hashes more than that beyond what it needs,
-and tools may allocate one block."""
-MAX_FILE_NAME_BYTES = MAX_NAME_BYTES
-MAX_WORLD = 1 << 20
-"""Largest ``world_size`` of a format-3 manifest (tools list per-rank values by rank)."""
-MAX_CREATED = 1 << 35
-"""``created`` lies in ``[0, 2^35)`` seconds (before the year 3058), so every tool can show it."""
-
 
 _VECTOR_MIN = 64  # below this many chunks a Python loop beats numpy's per-call overhead
 
@@ -265,8 +229,9 @@ class FileEntry:
 @dataclass
 class Manifest:
     """Everything a reader needs: files, tensors, the typed-JSON value tree. A format-3
-    manifest reads file indexes through ``index_source`` (set by whoever opened the
-    checkpoint) when a chunk's byte range or a rank-local value is first needed."""
+    manifest answers for a chunk's byte range or a rank-local value once the index of its
+    file is attached (:meth:`attach_indexes`: the reader's fetch-indexes phase hands the
+    bytes in); it never reads storage itself."""
 
     tree: Any
     tensors: dict[str, TensorEntry]
@@ -282,9 +247,8 @@ class Manifest:
     refs: list[RefFile] = field(default_factory=list)  # format 3.1: files numbered len(files) + j
 
     def __post_init__(self) -> None:
-        self._indexes: dict[int, FileIndex] = {}
-        self._lock = threading.Lock()
-        self.index_source: Callable[[list[tuple[str, int]]], list[bytes]] | None = None
+        self._indexes: dict[int, FileIndex] = {}  # attached by a reader's fetch-indexes phase
+        self._refused: dict[int, str] = {}  # file -> why its index bytes were refused
         self.backing: Backing | None = None  # format 3: rules beyond the free allowance, backed by index rows
         self.file_of_rank: dict[int, int] = {f.rank: i for i, f in enumerate(self.files)}
         self._keys = list(self.tensors)
@@ -327,53 +291,63 @@ class Manifest:
 
     # ------------------------------------------------------------------ file indexes (format 3)
 
-    def load_indexes(self, files: Iterable[int]) -> None:
-        """Read, verify and parse the indexes of the given files (those not read yet), all
-        at once through ``index_source``; a no-op before format 3."""
+    def index_requests(self, files: Iterable[int]) -> list[tuple[int, str, int]]:
+        """(file, index name, stated size) of the given files' indexes not attached yet, by
+        file: what a reader's fetch-indexes phase reads (none before format 3)."""
         if not self.indexed:
-            return
-        missing = sorted({f for f in files if f not in self._indexes})
-        if not missing:
-            return
-        with self._lock:
-            missing = [f for f in missing if f not in self._indexes]
-            if not missing:
-                return
-            if self.index_source is None:
-                raise CorruptCheckpointError("this manifest was read without its checkpoint: its file indexes "
-                                             "cannot be read")
-            datas = self.index_source([(self.files[f].index_name, self.files[f].index_bytes) for f in missing])
-            meta = self._tensor_meta()
-            block = self.extra["checksum_block"]
-            ref_files = [(r.name, r.nbytes) for r in self.refs]
-            for f, data in zip(missing, datas):
-                entry = self.files[f]
+            return []
+        return [(f, self.files[f].index_name, self.files[f].index_bytes)
+                for f in sorted({f for f in files if f not in self._indexes})]
+
+    def attach_indexes(self, fetched: list[tuple[int, bytes]]) -> None:
+        """Verify (against the manifest's size and digest), parse and attach the bytes of
+        file indexes, in order; the first bad one raises CorruptCheckpointError. The bytes
+        are handed in by the reader's fetch-indexes phase: the manifest reads nothing."""
+        meta = self._tensor_meta()
+        block = self.extra["checksum_block"]
+        ref_files = [(r.name, r.nbytes) for r in self.refs]
+        for f, data in fetched:
+            if f in self._indexes:
+                continue
+            entry = self.files[f]
+            try:
                 verify_index(data, entry.index_bytes, entry.index_checksum, entry.index_name)
                 index = FileIndex.parse(data, entry.index_name, file=f, rank=entry.rank, nbytes=entry.nbytes,
                                         block=block, tensors=meta, ref_files=ref_files, first_ref=len(self.files))
-                entry.header_bytes, entry.header_checksum = index.header_bytes, index.header_checksum
-                index.raw = data
-                self._add_local_tensors(index)
-                self._indexes[f] = index
+            except CorruptCheckpointError as exc:
+                self._refused[f] = str(exc)  # asked for again (the rule budget counts every index): the same error
+                raise
+            entry.header_bytes, entry.header_checksum = index.header_bytes, index.header_checksum
+            index.raw = data
+            self._add_local_tensors(index)
+            self._indexes[f] = index
+
+    @property
+    def cuts_need_indexes(self) -> bool:
+        """True when cutting a rule first needs every file index (the rule budget is then
+        checked against the rows they list: see :class:`~shardsafe.format.rules.Backing`)."""
+        backing = self.backing
+        return backing is not None and backing.armed and not backing.done
 
     def listed_rows(self) -> int:
-        """The chunk rows (and references) that all file indexes list, read and verified."""
-        self.load_indexes(range(len(self.files)))
-        return sum(len(ix) + len(ix.ref_ordinals) for ix in self._indexes.values())
+        """The chunk rows (and references) that all file indexes list (all attached)."""
+        return sum(len(ix) + len(ix.ref_ordinals) for ix in map(self.index, range(len(self.files))))
 
-    def load_all_indexes(self) -> None:
-        """Read every file index (tools that look at the whole checkpoint), and check that
-        their rows back the rules (the rule budget)."""
-        self.load_indexes(range(len(self.files)))
+    def check_rule_budget(self) -> None:
+        """Once every index is attached: check that their rows back the rules (the rule
+        budget; readers that look at the whole checkpoint)."""
         if self.backing is not None:
             self.backing.check()
 
     def index(self, file: int) -> FileIndex:
-        """The parsed index of data file ``file`` (read on first use)."""
+        """The attached index of data file ``file`` (CorruptCheckpointError when the reader
+        did not fetch it: a manifest read alone, without its checkpoint)."""
         found = self._indexes.get(file)
         if found is None:
-            self.load_indexes([file])
-            found = self._indexes[file]
+            if file in self._refused:
+                raise CorruptCheckpointError(self._refused[file])
+            raise CorruptCheckpointError(f"this manifest was read without the index of {self.files[file].name}: "
+                                         "its file indexes cannot be read")
         return found
 
     def _tensor_meta(self) -> list[tuple[tuple[int, ...], int]]:
@@ -408,14 +382,10 @@ class Manifest:
     def resolve(self, ordinal: int, boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> list[Chunk]:
         """The chunks of manifest tensor ``ordinal`` at the given (offsets, lengths, file),
         with byte ranges and checksums from the files' indexes."""
-        indexes = self._indexes
-        for _, _, f in boxes:
-            if f not in indexes:
-                self.load_indexes({f for _, _, f in boxes})
-                break
+        index_of = self.index
         out = []
         for offsets, lengths, f in boxes:
-            index = indexes[f]
+            index = index_of(f)
             row = index.row(ordinal, offsets)
             if row is not None:
                 chunk: Chunk | None = index.table.chunk(row)
@@ -451,536 +421,19 @@ class Manifest:
             owners = np.searchsorted(los, rows, side="right") - 1
             return [(keys[int(t)], table.chunk(int(r))) for r, t in zip(rows, owners)]
         return [(k, c) for k, e in self.tensors.items() for c in e.chunks if c.file == index]
-
     def to_bytes(self) -> bytes:
         """Serialize (in the current format version) with the integrity trailer;
-        ``from_bytes`` is its inverse."""
-        with gc_paused():
-            return self._to_bytes()
+        ``from_bytes`` is its inverse (both: :mod:`~shardsafe.format.manifest_codec`)."""
+        from .manifest_codec import encode_manifest
 
-    def _to_bytes(self) -> bytes:
-        if self.indexed:
-            return _seal(self._body_v3())
-        entries: dict[str, Any] = {}
-        every: list[Chunk] = []
-        for key, t in self.tensors.items():
-            chunks = t.chunks
-            d: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape), "kind": t.kind}
-            if t.layout is not None:
-                d["layout"] = t.layout
-            d["chunks"] = [len(every), len(chunks)]
-            entries[key] = d
-            every.extend(chunks)
-        body = {
-            "format": FORMAT_NAME,
-            # The layout written is always the current one; a parsed older manifest is upgraded.
-            "version": list(self.version if self.version[0] >= TABLE_VERSION[0] else TABLE_VERSION),
-            "checksum_algorithm": ALGORITHM,
-            "created": self.created,
-            "writer": self.writer,
-            "world_size": self.world_size,
-            "extra": self.extra,
-            "files": [f.to_json() for f in self.files],
-            "tensors": entries,
-            "chunks": table_json(every),
-            "rank_local": self.rank_local,
-            "tree": self.tree,
-        }
-        return _seal(body)
-
-    def _body_v3(self) -> dict[str, Any]:
-        """The format-3 manifest: rules, explicit boxes, files as columns (docs/format.md)."""
-        mesh_index = {m: i for i, m in enumerate(self.meshes)}
-        keys = list(self.tensors)[: len(self._keys)]  # rank-local tensors live in the file indexes
-        entries: dict[str, Any] = {}
-        o: list[int] = []
-        n: list[int] = []
-        f: list[int] = []
-        rows = 0
-        for key in keys:
-            t = self.tensors[key]
-            d: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape), "kind": t.kind}
-            if t.rule is not None:
-                d["rule"] = t.rule.to_json(mesh_index[t.rule.mesh])
-            else:
-                if t.layout is not None:
-                    d["layout"] = t.layout
-                boxes = t.boxes()
-                d["chunks"] = [rows, len(boxes)]
-                rows += len(boxes)
-                for bo, bn, bf in boxes:
-                    o.extend(bo)
-                    n.extend(bn)
-                    f.append(bf)
-            entries[key] = d
-        files = self.files
-        return {
-            "format": FORMAT_NAME,
-            "version": list(self.version),
-            "checksum_algorithm": ALGORITHM,
-            "created": self.created,
-            "writer": self.writer,
-            "world_size": self.world_size,
-            "extra": self.extra,
-            "meshes": [m.to_json() for m in self.meshes],
-            "files": {"id": self.file_id, "rank": [e.rank for e in files], "bytes": [e.nbytes for e in files],
-                      "index_bytes": [e.index_bytes for e in files],
-                      "index_x": "".join(e.index_checksum for e in files)},
-            "tensors": entries,
-            "chunks": {"o": o, "n": n, "f": f},
-            "rank_local": sorted(self.rank_local),
-            **({"refs": refs_json(self.refs)} if self.refs else {}),
-            "tree": self.tree,
-        }
+        return encode_manifest(self)
 
     @staticmethod
     def from_bytes(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         """Parse and verify a manifest (format 1.x, 2.x or 3.x); errors name ``where``."""
-        with gc_paused():
-            return Manifest._from_bytes(data, where)
+        from .manifest_codec import decode_manifest
 
-    @staticmethod
-    def _from_bytes(data: bytes, where: str) -> Manifest:
-        cut = data.rfind(_TRAILER)
-        if cut < 0:
-            raise CorruptCheckpointError(f"{where}: manifest has no integrity trailer (truncated or not ours)")
-        head = data[:cut]
-        stored = data[cut + len(_TRAILER): cut + len(_TRAILER) + 16].decode("ascii", "replace")
-        if data[cut + len(_TRAILER) + 16:].rstrip(b"\n") != b'"}' or checksum(head) != stored:
-            raise CorruptCheckpointError(f"{where}: manifest checksum mismatch (the file is corrupt)")
-        body, spans = _parse_json(head + b"}", where)
-        if body.get("format") != FORMAT_NAME:
-            raise CorruptCheckpointError(f"{where}: not a shardsafe manifest")
-        version = body.get("version")
-        if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)):
-            raise CorruptCheckpointError(f"{where}: bad format version {version!r}")
-        if version[0] not in READABLE_MAJORS:
-            raise FormatVersionError(
-                f"{where}: format version {version[0]}.{version[1]} is not readable by this shardsafe "
-                f"(reads {', '.join(f'{m}.x' for m in READABLE_MAJORS)}); upgrade shardsafe to load it"
-            )
-        if body.get("checksum_algorithm") != ALGORITHM:
-            raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {body.get('checksum_algorithm')!r}")
-        try:
-            if version[0] >= 3:
-                return _parse_v3(body, spans, head, (version[0], version[1]), where)
-            if not isinstance(body["files"], list):
-                raise CorruptCheckpointError("inconsistent manifest: files is not a list")
-            files = [FileEntry.from_json(f) for f in body["files"]]  # so every file is an object
-            world_size = body["world_size"]
-            extra = body.get("extra", {})
-            problem = _header_problem(world_size, extra, body.get("writer", {}), body.get("rank_local", {}), files)
-            if problem:
-                raise CorruptCheckpointError(f"{where}: inconsistent manifest: {problem}")
-            created = body.get("created", 0.0)
-            if not (type(created) in (int, float) and 0 <= created < MAX_CREATED):  # NaN fails too
-                raise CorruptCheckpointError(
-                    f"inconsistent manifest: created {_show(created)} is not a finite number of seconds in "
-                    f"[0, 2^35)")
-            if version[0] == 1:
-                tensors_json, chunks_json = _v1_to_v2(body["tensors"])
-            else:
-                tensors_json, chunks_json = body["tensors"], body["chunks"]
-            tensors, members = _parse_tensors(tensors_json, chunks_json, files, extra["checksum_block"], where)
-            if version[0] == 1 or members != spans.counted["tensors"] or \
-                    sum(map(len, body["files"])) != spans.counted["files"]:
-                # Fewer members parsed than written: a duplicate key, or members of objects
-                # not counted here (a newer minor's); a strict parse tells which.
-                duplicate = _duplicate(head, spans)
-                if duplicate:
-                    raise CorruptCheckpointError(f"manifest is not valid JSON: {duplicate}")
-            return Manifest(
-                tree=body["tree"],
-                tensors=tensors,
-                files=files,
-                world_size=world_size,
-                rank_local=body.get("rank_local", {}),
-                created=created,
-                writer=body.get("writer", {}),
-                extra=extra,
-                version=(version[0], version[1]),
-            )
-        except CorruptCheckpointError as exc:
-            # A duplicate key in tensors or files can break a rule; say so rather than what it broke.
-            duplicate = _duplicate(head, spans)
-            msg = f"manifest is not valid JSON: {duplicate}" if duplicate else str(exc)
-            raise CorruptCheckpointError(msg if msg.startswith(where) else f"{where}: {msg}") from None
-        except (KeyError, TypeError, IndexError, AttributeError, ValueError, OverflowError, MemoryError) as exc:
-            duplicate = _duplicate(head, spans)
-            msg = f"manifest is not valid JSON: {duplicate}" if duplicate else \
-                f"a manifest field is missing or mistyped: {exc!r}"
-            raise CorruptCheckpointError(f"{where}: {msg}") from None
-
-
-def _seal(body: dict[str, Any]) -> bytes:
-    """The manifest's bytes: compact JSON whose last member is the integrity trailer."""
-    text = json.dumps(body, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    head = text[:-1]  # drop the closing brace; the trailer closes the object
-    return head + _TRAILER + checksum(head).encode("ascii") + b'"}\n'
-
-
-# strict JSON parsing lives in strict_json.py
-
-_NOT_IN_NAME = NOT_IN_NAME
-
-
-def _file_names_problem(names: list[Any]) -> str | None:
-    """What makes a data file name other than a plain, unique one (docs/format.md,
-    "files"), or None; all names are checked at once, one by one only to say which."""
-    if (set(map(type, names)) <= {str} and not _NOT_IN_NAME.search("".join(names))
-            and not {"", ".", ".."} & set(names) and len(set(names)) == len(names)
-            and max(map(len, names), default=0) * 4 <= MAX_FILE_NAME_BYTES):  # at most 4 bytes a character
-        return None
-    seen: set[str] = set()
-    for i, name in enumerate(names):
-        if not (isinstance(name, str) and name not in ("", ".", "..") and not _NOT_IN_NAME.search(name)
-                and len(name.encode("utf-8")) <= MAX_FILE_NAME_BYTES):
-            return (f"file {i}: name {_show(name)} is not a plain file name (no path separators, control "
-                    f"characters or lone surrogates, at most {MAX_FILE_NAME_BYTES} bytes)")
-        if name in seen:
-            return f"file {i}: name {name!r} is listed twice"
-        seen.add(name)
-    return None
-
-
-def _header_problem(world_size: Any, extra: Any, writer: Any, rank_local: Any, files: list[FileEntry]) -> str | None:
-    """What is wrong with the manifest's top-level members and file list, or None."""
-    if not (_count(world_size) and world_size >= 1):
-        return f"world_size {world_size!r}"
-    for name, part in (("extra", extra), ("writer", writer), ("rank_local", rank_local)):
-        if not isinstance(part, dict):
-            return f"{name} is not an object"
-    block = extra.get("checksum_block")
-    if not (_count(block) and 1 <= block <= MAX_CHECKSUM_BLOCK):
-        return f"extra.checksum_block {_show(block)} is not an integer from 1 to {MAX_CHECKSUM_BLOCK} (64 MiB)"
-    problem = _file_names_problem([f.name for f in files])
-    if problem:
-        return problem
-    for f in files:
-        if not (_count(f.nbytes) and _count(f.rank) and _count(f.header_bytes)
-                and 8 <= f.header_bytes <= f.nbytes < _LIMIT):
-            return f"file {f.name!r}: bad sizes (bytes {f.nbytes!r}, header_bytes {f.header_bytes!r})"
-        if not isinstance(f.header_checksum, str):
-            return f"file {f.name!r}: bad header checksum"
-    return None
-
-
-_LIMIT = SIZE_LIMIT
-
-
-def _parse_tensors(tensors_json: Any, chunks_json: Any, files: list[FileEntry], block: int,
-                   where: str) -> tuple[dict[str, TensorEntry], int]:
-    """Tensor entries over a validated chunk table (the rules are in docs/format.md), and
-    the number of object members in ``tensors_json`` (its own, its entries', their
-    layouts'): fewer than its raw text holds means a duplicate key (see _parse_json)."""
-    from .dtypes import name_itemsize
-
-    if not isinstance(tensors_json, dict):
-        raise CorruptCheckpointError("inconsistent manifest: tensors is not an object")
-    keys = list(tensors_json)
-    shapes: list[tuple[int, ...]] = []
-    sizes: list[int] = []
-    firsts = [0]
-    heads: list[tuple[str, tuple[int, ...], str, Any]] = []
-    members = len(tensors_json)
-    known: dict[tuple[Any, tuple[Any, ...]], int] = {}  # (dtype, shape) -> itemsize, once validated
-    dims: list[Any] = []
-    first = 0
-    for key, t in tensors_json.items():
-        if type(t) is not dict:
-            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}' is not an object")
-        members += len(t)
-        dtype, shape, kind, layout, span = t["dtype"], t["shape"], t.get("kind", "replicated"), t.get("layout"), \
-            t["chunks"]
-        if kind not in KINDS or not (layout is None or type(layout) is dict):
-            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad kind or layout")
-        if layout is not None:
-            members += _object_members(layout)
-        shape_t = tuple(shape) if type(shape) is list else ()
-        try:
-            size = known.get((dtype, shape_t)) if type(shape) is list else None
-        except TypeError:  # unhashable: not a str dtype or int dims, refused just below
-            size = None
-        if size is None:  # the first entry of its dtype and shape: validate them
-            size = known[(dtype, shape_t)] = _head_itemsize(key, dtype, shape, name_itemsize)
-        dims.extend(shape)  # a hit is equal to a validated shape: only the dims' types are left to check
-        if not (type(span) is list and len(span) == 2 and type(span[0]) is int and type(span[1]) is int
-                and span[0] == first and first < _LIMIT and 1 <= span[1] < _LIMIT):
-            raise CorruptCheckpointError(
-                f"inconsistent manifest: tensor '{key}': chunk range {span!r} is not [first, count] with first "
-                f"{first} (where the previous tensor's chunks end) and count >= 1")
-        first += span[1]
-        shapes.append(shape_t)
-        sizes.append(size)
-        firsts.append(first)
-        heads.append((dtype, shape_t, kind, layout))
-    if not set(map(type, dims)) <= {int}:  # 1.0 and True equal 1: find the entry that holds one
-        key, t = next((k, t) for k, t in tensors_json.items() if any(type(d) is not int for d in t["shape"]))
-        _head_itemsize(key, t["dtype"], t["shape"], name_itemsize)
-    rows = chunks_json.get("f") if isinstance(chunks_json, dict) else None
-    if not (isinstance(rows, list) and len(rows) == firsts[-1]):
-        # Checked before anything is sized by the tensors' counts (a tiny manifest must
-        # not make the reader allocate per claimed chunk).
-        got = len(rows) if isinstance(rows, list) else type(rows).__name__
-        raise CorruptCheckpointError(f"inconsistent manifest: the tensors claim {firsts[-1]} chunks, the chunk "
-                                     f"table has {got}")
-    first_arr = np.array(firsts, dtype=np.int64)
-    ndim = np.repeat(np.array([len(s) for s in shapes], dtype=np.int64), np.diff(first_arr))
-    table = ChunkTable.from_json(chunks_json, ndim, block, [f.rank for f in files])
-    bad = table.problem(shapes, sizes, first_arr, np.array([f.header_bytes for f in files], dtype=np.int64),
-                        np.array([f.nbytes for f in files], dtype=np.int64), [f.name for f in files])
-    if bad is not None:
-        c, what = bad
-        if c < 0:
-            raise CorruptCheckpointError(f"inconsistent manifest: chunk table: {what}")
-        t = int(np.searchsorted(first_arr, c, side="right")) - 1
-        t = min(max(t, 0), len(keys) - 1)
-        raise CorruptCheckpointError(f"inconsistent manifest: tensor '{keys[t]}', chunk {c - firsts[t]}: {what}")
-    in_table = TensorEntry.in_table
-    return {key: in_table(*head, table, lo, hi) for key, head, lo, hi in zip(keys, heads, firsts, firsts[1:])}, \
-        members
-
-
-# ----------------------------------------------------------------------------- format 3
-
-_FILE_ID = re.compile(r"(\.[0-9a-z]{1,64})?")
-
-
-def _parse_v3(body: dict[str, Any], spans: Any, head: bytes, version: tuple[int, int], where: str) -> Manifest:
-    """A format-3 manifest (docs/format.md): validated before anything is sized by it."""
-    world_size, extra, writer = body["world_size"], body.get("extra", {}), body.get("writer", {})
-    problem = _header_problem(world_size, extra, writer, {}, [])
-    if problem:
-        raise CorruptCheckpointError(f"inconsistent manifest: {problem}")
-    created = body.get("created", 0.0)
-    if not (type(created) in (int, float) and 0 <= created < MAX_CREATED):
-        raise CorruptCheckpointError(f"inconsistent manifest: created {_show(created)} is not a finite number of "
-                                     "seconds in [0, 2^35)")
-    meshes_json = body["meshes"]
-    if type(meshes_json) is not list:
-        raise CorruptCheckpointError("inconsistent manifest: meshes is not a list")
-    meshes = []
-    for i, m in enumerate(meshes_json):
-        try:
-            meshes.append(Mesh.from_json(m, world_size))
-        except CorruptCheckpointError as exc:
-            raise CorruptCheckpointError(f"inconsistent manifest: mesh {i}: {exc}") from None
-    if world_size > MAX_WORLD:
-        raise CorruptCheckpointError(f"inconsistent manifest: world_size {world_size} is above {MAX_WORLD}")
-    files, file_id = _files_v3(body["files"], world_size)
-    rank_local = body["rank_local"]
-    if not (type(rank_local) is list and all(type(k) is str for k in rank_local)
-            and len(set(rank_local)) == len(rank_local)):
-        raise CorruptCheckpointError("inconsistent manifest: rank_local is not a list of distinct keys")
-    tensors_json = body["tensors"]
-    # The rule budget (docs/format.md, limits): the rules' bounds, summed over distinct
-    # rules, within an allowance (2^16 + 512 per distinct rule) plus the rows the indexes
-    # list. Refused here, before anything is cut, when even the stated index sizes could
-    # not list them; rules beyond the work pool (2^16 + 16 per manifest byte) are cut only
-    # once the real indexes (read and verified, each read bounded by its stated size) have
-    # been counted, and every reader that reads all indexes counts them too.
-    listable = sum(f.index_bytes for f in files) // INDEX_BYTES_PER_ROW
-    tensors, members, rules = _tensors_v3(tensors_json, body["chunks"], meshes, len(files), world_size,
-                                          FREE_BOXES + listable)
-    if members != spans.counted.get("tensors"):
-        duplicate = _duplicate(head, spans)
-        if duplicate:
-            raise CorruptCheckpointError(f"manifest is not valid JSON: {duplicate}")
-    refs = parse_refs(body["refs"]) if "refs" in body else []
-    own = {MANIFEST_NAME} | {f.name for f in files} | {f.index_name for f in files}
-    if any(r.checkpoint == "" and r.name in own for r in refs):
-        raise CorruptCheckpointError("inconsistent manifest: a referenced file of this checkpoint's own folder has the "
-                                     "name of its manifest, a data file or an index")
-    manifest = Manifest(tree=body["tree"], tensors=tensors, files=files, world_size=world_size,
-                        rank_local=rank_local, created=created, writer=writer, extra=extra, version=version,
-                        meshes=meshes, file_id=file_id, refs=refs)
-    if rules:
-        claimed = sum(r.count_bound() for r in rules)
-        manifest.backing = Backing(claimed, allowance(len(rules)), manifest.listed_rows)
-        if claimed > free_boxes(len(head)):
-            for r in rules:
-                r.backing = manifest.backing
-    return manifest
-
-
-def _files_v3(d: Any, world: int) -> tuple[list[FileEntry], str]:
-    """The files table: one data file (and its index) per listed saving rank."""
-    if type(d) is not dict:
-        raise CorruptCheckpointError("inconsistent manifest: files is not an object")
-    file_id = d.get("id")
-    if not (type(file_id) is str and _FILE_ID.fullmatch(file_id)):
-        raise CorruptCheckpointError(f"inconsistent manifest: files id {_show(file_id)} is not \"\" or \".\" and up "
-                                     "to 64 lowercase letters and digits")
-    ranks, sizes, isizes, sums = d.get("rank"), d.get("bytes"), d.get("index_bytes"), d.get("index_x")
-    count = len(ranks) if type(ranks) is list else -1
-    for name, col in (("rank", ranks), ("bytes", sizes), ("index_bytes", isizes)):
-        if not (type(col) is list and len(col) == count and all(type(v) is int and 0 <= v < _LIMIT for v in col)):
-            raise CorruptCheckpointError(f"inconsistent manifest: files '{name}' is not a list of {max(count, 0)} "
-                                         "sizes")
-    if any(a >= b for a, b in zip(ranks, ranks[1:])) or (ranks and ranks[-1] >= world):
-        raise CorruptCheckpointError(f"inconsistent manifest: file ranks are not increasing ranks below {world}")
-    if any(n < 8 for n in sizes):
-        raise CorruptCheckpointError("inconsistent manifest: a data file of fewer than 8 bytes")
-    if not (type(sums) is str and len(sums) == HEX * count and _hex_lower(sums)):
-        raise CorruptCheckpointError("inconsistent manifest: files 'index_x' is not one 16-hex digest per file")
-    files = [FileEntry(data_name(r, file_id), n, r, 0, "", i, sums[HEX * k: HEX * (k + 1)])
-             for k, (r, n, i) in enumerate(zip(ranks, sizes, isizes))]
-    return files, file_id
-
-
-def _hex_lower(s: str) -> bool:
-    try:
-        return 2 * len(bytes.fromhex(s)) == len(s) and s == s.lower()
-    except ValueError:
-        return False
-
-
-def _tensors_v3(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles: int, world: int,
-                box_budget: int) -> tuple[dict[str, TensorEntry], int, list[Rule]]:
-    """Tensor entries: by rule, or by explicit boxes (rows of the geometry table), the
-    object members of ``tensors_json`` (fewer than its raw text holds: a duplicate key) and
-    the distinct rules (their bounds summed at most ``box_budget`` plus RULE_SLACK per
-    distinct rule, nothing cut).
-
-    A first pass checks the boxes and dims of all tensors at once (numpy) and gives up at
-    the first doubt; a second pass, one tensor at a time, then raises the error that
-    names the first bad tensor (the same error for every manifest)."""
-    try:
-        found = _tensors_v3_pass(tensors_json, chunks_json, meshes, nfiles, world, box_budget, True)
-    except Exception:  # noqa: BLE001 - the exact error comes from the careful pass below
-        found = None
-    if found is None:
-        found = _tensors_v3_pass(tensors_json, chunks_json, meshes, nfiles, world, box_budget, False)
-    return found
-
-
-_INT = frozenset([int])
-
-
-def _tensors_v3_pass(tensors_json: Any, chunks_json: Any, meshes: list[Mesh], nfiles: int, world: int,
-                     box_budget: int, batched: bool) -> tuple[dict[str, TensorEntry], int, list[Rule]] | None:
-    """:func:`_tensors_v3`, checking each box as it comes (``batched`` False), or all boxes
-    and dims at once at the end (``batched``: None when any check fails, with no error)."""
-    from .dtypes import name_itemsize
-
-    if type(tensors_json) is not dict:
-        raise CorruptCheckpointError("inconsistent manifest: tensors is not an object")
-    if type(chunks_json) is not dict:
-        raise CorruptCheckpointError("inconsistent manifest: chunks is not an object")
-    o, n, f = chunks_json.get("o"), chunks_json.get("n"), chunks_json.get("f")
-    if not (type(o) is list and type(n) is list and type(f) is list and len(o) == len(n)
-            and all(set(map(type, col)) <= _INT for col in (o, n, f))):
-        raise CorruptCheckpointError("inconsistent manifest: chunks 'o', 'n', 'f' are not lists of integers")
-    out: dict[str, TensorEntry] = {}
-    row = dim = 0
-    known: set[tuple[Any, tuple[Any, ...]]] = set()  # (dtype, shape) validated
-    rules: dict[tuple, Rule] = {}
-    members = len(tensors_json)
-    dims: list[Any] = []  # batched: every dim of every tensor, their types checked at the end
-    bounds: list[int] = []  # batched: each box dim's bound (its tensor's dim)
-    by_boxes = TensorEntry.by_boxes
-    for key, t in tensors_json.items():
-        if type(t) is not dict:
-            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}' is not an object")
-        members += len(t)
-        dtype, shape, kind = t["dtype"], t["shape"], t.get("kind", "replicated")
-        shape_t = tuple(shape) if type(shape) is list else ()
-        if batched:
-            try:
-                seen = (dtype, shape_t) in known and type(shape) is list
-            except TypeError:
-                seen = False
-            if seen:
-                dims.extend(shape)
-        else:
-            try:
-                seen = (dtype, shape_t) in known and set(map(type, shape)) <= _INT
-            except TypeError:
-                seen = False
-        if not seen:
-            _head_itemsize(key, dtype, shape, name_itemsize)
-            known.add((dtype, shape_t))
-        if kind not in ("replicated", "sharded"):
-            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': kind {_show(kind)} (rank-local "
-                                         "tensors are listed in the file indexes)")
-        rule = t.get("rule")
-        if rule is not None:
-            if batched and not set(map(type, shape_t)) <= _INT:
-                return None  # the careful pass names the bad dim before the rule uses it
-            if not (type(rule) is dict and set(rule) == {"mesh", "placements", "salt"}):
-                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': rule is not mesh, placements "
-                                             "and salt")
-            members += len(rule)
-            m, placements, salt = rule["mesh"], rule["placements"], rule["salt"]
-            if not (type(m) is int and 0 <= m < len(meshes) and type(placements) is list and _count(salt)
-                    and salt < _LIMIT):
-                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad rule mesh or salt")
-            if not shape_t or 0 in shape_t:
-                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': a rule needs a shape of "
-                                             "non-zero dims")
-            try:
-                parsed = tuple(parse_placement(p, len(shape_t), world) for p in placements)
-                rule_key = (shape_t, m, parsed, salt)
-                rule_obj = rules.get(rule_key)  # one Rule per geometry: its boxes are computed once
-                if rule_obj is None:
-                    rule_obj = rules[rule_key] = Rule(shape_t, meshes[m], parsed, salt)
-                    box_budget += RULE_SLACK - rule_obj.count_bound()
-                    if box_budget < 0:
-                        raise CorruptCheckpointError("its rules claim more chunks than the manifest allows and the "
-                                                     "file indexes can list")
-                out[key] = TensorEntry.by_rule(dtype, shape_t, kind, rule_obj)
-            except CorruptCheckpointError as exc:
-                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': {exc}") from None
-            continue
-        layout, span = t.get("layout"), t.get("chunks")
-        if not (layout is None or type(layout) is dict):
-            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad layout")
-        if layout is not None:
-            members += _object_members(layout)
-        if not (type(span) is list and len(span) == 2 and type(span[0]) is int and span[0] == row
-                and type(span[1]) is int and 1 <= span[1] <= len(f) - row):
-            raise CorruptCheckpointError(
-                f"inconsistent manifest: tensor '{key}': chunk range {_show(span)} is not [first, count] with first "
-                f"{row} (where the previous tensor's chunks end), count >= 1, inside the table")
-        nd = len(shape_t)
-        count = span[1]
-        if batched:  # the boxes are checked below, all at once
-            if count == 1:
-                boxes = [(tuple(o[dim: dim + nd]), tuple(n[dim: dim + nd]), f[row])]
-            else:
-                boxes = [(tuple(o[d: d + nd]), tuple(n[d: d + nd]), f[r])
-                         for r, d in zip(range(row, row + count), range(dim, dim + count * nd, nd))]
-            dim += count * nd
-            bounds.extend(shape_t * count)
-        else:
-            boxes = []
-            for r in range(row, row + count):
-                bo, bn = tuple(o[dim: dim + nd]), tuple(n[dim: dim + nd])
-                dim += nd
-                if len(bn) != nd or not all(0 <= a and 0 <= b and a + b <= s for a, b, s in zip(bo, bn, shape_t)):
-                    raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}', chunk {r - row}: box "
-                                                 f"{list(bo)}+{list(bn)} is not inside shape {list(shape_t)}")
-                if not 0 <= f[r] < nfiles:
-                    raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}', chunk {r - row}: file "
-                                                 f"index {f[r]} is out of range")
-                boxes.append((bo, bn, f[r]))
-        row += count
-        out[key] = by_boxes(dtype, shape_t, kind, boxes, layout)
-    if row != len(f) or dim != len(o):
-        raise CorruptCheckpointError(f"inconsistent manifest: the tensors claim {row} chunks, the chunk table has "
-                                     f"{len(f)}")
-    if batched:
-        if not set(map(type, dims)) <= _INT:
-            return None
-        if o:
-            bo_, bn_, bound = (np.array(col, dtype=np.int64) for col in (o, n, bounds))  # OverflowError: None
-            if not ((bo_ >= 0) & (bn_ >= 0) & (bo_ <= bound) & (bn_ <= bound - bo_)).all():
-                return None
-        if f:
-            files = np.array(f, dtype=np.int64)
-            if not ((files >= 0) & (files < nfiles)).all():
-                return None
-    return out, members, list(rules.values())
+        return decode_manifest(data, where)
 
 
 class RankLocalValues(Mapping):
@@ -1030,67 +483,3 @@ def rule_layout(rule: Rule) -> dict[str, Any]:
     names = {"R": lambda p: "R", "S": lambda p: f"S({p[1]})", "SS": lambda p: f"_S({p[1]}, {p[2]})"}
     return {"mesh_shape": list(rule.mesh.shape), "mesh_dim_names": None if rule.mesh.names is None else
             list(rule.mesh.names), "placements": [names[p[0]](p) for p in rule.placements]}
-
-
-def _head_itemsize(key: str, dtype: Any, shape: Any, name_itemsize: Callable[[str], int | None]) -> int:
-    """The itemsize of a tensor entry's dtype (0 when unknown) once its dtype and shape are
-    valid (a str; non-negative int dims with a total size below 2^62)."""
-    if not (isinstance(dtype, str) and isinstance(shape, list) and all(_count(s) and s < _LIMIT for s in shape)):
-        raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': bad dtype {dtype!r} or shape {shape!r}")
-    size = name_itemsize(dtype)
-    if not size:
-        raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': unknown dtype {dtype!r}")
-    if prod(shape) * size >= _LIMIT:
-        raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': shape {shape!r} is too large")
-    return size
-
-
-def _object_members(value: Any) -> int:
-    """Members of all JSON objects in ``value`` (without recursion)."""
-    count = 0
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if type(v) is dict:
-            count += len(v)
-            stack.extend(v.values())
-        elif type(v) is list:
-            stack.extend(v)
-    return count
-
-
-def _v1_to_v2(tensors: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Format 1.x keeps each tensor's chunks inline as objects; rewrite them as the
-    format-2 chunk table (the per-chunk rank, always the file's rank, is dropped)."""
-    if not isinstance(tensors, dict):
-        raise CorruptCheckpointError("inconsistent manifest: tensors is not an object")
-    out: dict[str, Any] = {}
-    o: list[Any] = []
-    n: list[Any] = []
-    f: list[Any] = []
-    b: list[Any] = []
-    x: list[str] = []
-    count = 0
-    for key, t in tensors.items():
-        chunks = t["chunks"]
-        if not isinstance(chunks, list):
-            raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': chunks is not a list")
-        for c in chunks:
-            if not isinstance(c, dict):
-                raise CorruptCheckpointError(f"inconsistent manifest: tensor '{key}': a chunk is not an object")
-            if not (isinstance(c["o"], list) and isinstance(c["n"], list) and len(c["o"]) == len(c["n"])
-                    == len(t["shape"])):
-                raise CorruptCheckpointError(
-                    f"inconsistent manifest: tensor '{key}', chunk at {c['o']!r}: box does not match the shape's rank")
-            sums = c["x"]
-            if not (isinstance(sums, list) and sums and all(isinstance(s, str) and len(s) == 16 for s in sums)):
-                raise CorruptCheckpointError(
-                    f"inconsistent manifest: tensor '{key}', chunk at {c['o']!r}: bad block checksums")
-            o.extend(c["o"])
-            n.extend(c["n"])
-            f.append(c["f"])
-            b.extend(c["b"] if isinstance(c["b"], list) and len(c["b"]) == 2 else [None, None])
-            x.extend(sums)
-        out[key] = {**{k: v for k, v in t.items() if k != "chunks"}, "chunks": [count, len(chunks)]}
-        count += len(chunks)
-    return out, {"o": o, "n": n, "f": f, "b": b, "x": "".join(x)}

@@ -191,13 +191,15 @@ def dim_partition(n: int, levels: tuple[tuple[int, Placement], ...]) -> DimParti
 
 class Backing:
     """The boxes a manifest's rules claim beyond their free allowance, checked once, before
-    any rule is cut, against the rows its file indexes really list (``rows`` reads and
-    verifies them all: each read is bounded by the index's stated size, plus one byte)."""
+    any rule is cut, against the rows its file indexes really list (``rows``
+    counts them: the reader has fetched them all, each read bounded by the index's stated
+    size, plus one byte). ``armed``: the rules claim more than the work pool, so cutting
+    one waits for this check."""
 
-    __slots__ = ("claimed", "free", "rows", "done")
+    __slots__ = ("claimed", "free", "rows", "done", "armed")
 
     def __init__(self, claimed: int, free: int, rows: Callable[[], int]) -> None:
-        self.claimed, self.free, self.rows, self.done = claimed, free, rows, False
+        self.claimed, self.free, self.rows, self.done, self.armed = claimed, free, rows, False, False
 
     def check(self) -> None:
         """Raise CorruptCheckpointError unless the indexes' rows back the claim."""

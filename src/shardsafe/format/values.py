@@ -40,7 +40,6 @@ from ..errors import CorruptCheckpointError, UnsupportedValueError
 _SAFE_INT = 1 << 53
 TENSOR_TAG = "$tensor"  # {"$tensor": key}: a tensor of the manifest
 RANK_LOCAL_TAG = "$rank_local"  # {"$rank_local": key}: a rank-local value
-TAGS = ("$int", "$float", "$bytes", "$tuple", "$dict", "$tensor", "$rank_local")
 
 MAX_DEPTH = 200
 """Deepest nesting of JSON arrays/objects in one typed-JSON value (the tree, a rank-local

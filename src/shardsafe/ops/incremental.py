@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,10 +33,11 @@ from ..format.file_index import IndexedChunk
 from ..format.manifest import Manifest
 from ..format.refs import RefFile, block_digest, chunk_digest
 from ..layout import Box
+from ..plan.load_plan import Dest
 from ..plan.save_plan import Assignment, GlobalPlan
 from ..storage.base import Backend
 from .describe import Described
-from .load import Opened, read_manifest_phase
+from .metadata import Opened, fetch_cut_indexes, fetch_indexes, read_manifest_phase
 
 HASH_PIECE = 64 << 20  # accelerator tensors are copied to host this many bytes at a time to be hashed
 
@@ -166,11 +168,12 @@ def full_digest(src: torch.Tensor, block: int) -> str:
 
 
 def match(base: Base, assigned: list[Assignment], source: Any, meta: dict[str, tuple[str, tuple[int, ...]]],
-          block: int, memo: VersionMemo | None) -> dict[int, Match]:
+          block: int, memo: VersionMemo | None, fetch: Callable[[set[int]], None]) -> dict[int, Match]:
     """The assigned chunks (by position) whose bytes equal the base's; ``meta`` holds the
     (dtype, global shape) of every tensor that may be referred to (not rank-local ones).
     With a ``memo``, a chunk whose source is unchanged since the memo's save is not hashed
-    again."""
+    again. ``fetch`` attaches the base's indexes of the given files (the reader's
+    fetch-indexes phase: at once, several requests in flight on object stores)."""
     manifest = base.manifest
     if manifest.extra.get("checksum_block") != block or not base.candidates:
         return {}
@@ -187,7 +190,7 @@ def match(base: Base, assigned: list[Assignment], source: Any, meta: dict[str, t
         if len(boxes) != 1:
             continue
         wanted.append((i, a, ordinal, boxes[0][2]))
-    manifest.load_indexes({f for *_, f in wanted})  # at once (several requests in flight on object stores)
+    fetch({f for *_, f in wanted})
     found: dict[int, Match] = {}
     for i, a, ordinal, f in wanted:
         hit = manifest.index(f).find(ordinal, a.box.offsets)
@@ -266,7 +269,9 @@ def refer(comm: Comm, described: Described, plan: GlobalPlan, assigned: list, op
                                       "save would replace")
         meta = {tl.key: (tl.dtype, tuple(tl.shape)) for tl in described.held}
         try:
-            found = match(base, assigned, described.source, meta, block, memo)
+            fetch_cut_indexes(opened, [Dest(a.key, a.box, False) for a in assigned])
+            found = match(base, assigned, described.source, meta, block, memo,
+                          lambda files: fetch_indexes(opened, files))
             mine = {m.chunk.file for m in found.values()}
             _check_referenced(opened, base, mine)
         except CheckpointError as exc:

@@ -1,31 +1,48 @@
-"""A load, phase by phase: read manifest -> match -> plan -> verify -> land -> apply.
+"""A load, phase by phase: open -> manifest -> match -> fetch indexes -> plan -> verify ->
+land -> apply.
 
 Each phase takes and returns plain data, except that the destination tensors (the
-``fills`` of the match) are resolved by the reader when bytes land. Every collective is a
-:class:`~shardsafe.comm.Comm` call: ranks agree on errors (and on the manifest they read)
-once after verification — before any destination byte is written — and once after
-landing. Also here: :class:`CheckpointReader`, one open checkpoint from which tools read
-whole tensors one at a time (files opened and headers checked once).
+``fills`` of the match) are resolved by the reader when bytes land. The metadata phases
+(open, manifest, fetch indexes) are in :mod:`~shardsafe.ops.metadata`; planning reads
+nothing. Every collective is a :class:`~shardsafe.comm.Comm` call: ranks agree on errors
+(and on the manifest they read) once after verification — before any destination byte
+is written — and once after landing. :func:`load_in_place` and :func:`load_full_tree`
+are the whole protocol; the Checkpointer hands them the resources it owns
+(:class:`ReadResources`).
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
-import torch
-
-from ..checkpoint_folder import MAX_MANIFEST_BYTES, open_committed
+from ..comm import Comm
 from ..engine.memory import HostMemory
 from ..engine.reader import OpenFiles, Reader
-from ..errors import CheckpointError, CorruptCheckpointError
-from ..format.checksum import checksum
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError
+from ..format.manifest import Manifest
 from ..gcpause import gc_paused
-from ..plan.load_plan import DEFAULT_MAX_BUFFER, BlockCheck, Dest, ReadOp, block_checks, plan_reads
+from ..layout import Box
+from ..plan.load_plan import DEFAULT_MAX_BUFFER, BlockCheck, Dest, Geometry, ReadOp, block_checks, plan_reads
+from ..plan.share_plan import Shared, plan_sharing
+from ..state.context import active_group
 from ..state.match import Fill, Matcher, MatchResult
-from ..storage.base import Backend, Folder
+from ..state.saved import check_tree, select
+from ..storage.base import Backend
+from .metadata import (
+    Opened,
+    fetch_cut_indexes,
+    fetch_plan_indexes,
+    fetch_rank_local,
+    read_manifest_phase,
+)
+
+LOAD_RETRIES = 3  # a load that sees its checkpoint replaced mid-way starts again this often
+T = TypeVar("T")
 
 
 @dataclass
@@ -46,85 +63,22 @@ class LoadInfo:
     bytes_fetched: int = 0
 
 
+@dataclass(frozen=True)
+class ReadResources:
+    """What a load borrows from its Checkpointer: the host-memory budget, the reader's
+    threads and the requests at once on remote backends."""
+
+    memory: HostMemory
+    read_threads: int
+    fetch_threads: int
+
+
 def block_size(manifest: Manifest) -> int:
     """The checksum block size the checkpoint was written with."""
     block = manifest.extra.get("checksum_block")
     if not isinstance(block, int) or block <= 0:
         raise CorruptCheckpointError("manifest: missing or bad extra.checksum_block")
     return block
-
-
-@dataclass
-class Opened:
-    """Phase 1: a committed checkpoint's pinned folder, its parsed manifest and its digest."""
-
-    location: str
-    folder: Folder
-    manifest: Manifest
-    digest: int
-    siblings: Callable[[str], Folder] | None = None  # opens a referenced checkpoint's folder (format 3.1)
-
-    def close(self) -> None:
-        self.folder.close()
-
-
-def sibling_opener(backend: Backend, location: str) -> Callable[[str], Folder]:
-    """Opens, by name, a checkpoint in the same parent folder as ``location`` (the
-    checkpoints that an incremental checkpoint refers to)."""
-    parent_location, _ = backend.split(location)
-
-    def open_sibling(name: str) -> Folder:
-        with backend.open(parent_location) as parent:
-            return parent.open_folder(name)
-
-    return open_sibling
-
-
-def read_manifest_phase(backend: Backend, location: str) -> Opened:
-    """Open the committed checkpoint at ``location`` and parse its manifest."""
-    folder, data = open_committed(backend, location)
-    try:
-        manifest = Manifest.from_bytes(data, folder.where("manifest.json"))
-    except BaseException:
-        folder.close()
-        raise
-    digest = int(checksum(data), 16)
-    manifest.index_source = index_reader(folder, digest, backend.remote)
-    return Opened(location, folder, manifest, digest, sibling_opener(backend, location))
-
-
-INDEX_THREADS = 16  # file indexes fetched at once from a remote backend
-
-
-def index_reader(folder: Folder, digest: int, remote: bool) -> Callable[[list[tuple[str, int]]], list[bytes]]:
-    """Reads (name, expected size) file indexes from ``folder`` (several at once on a
-    remote backend). A missing index is a corrupt checkpoint, or, when the folder's
-    manifest is no longer the one read (``digest``), a checkpoint replaced meanwhile."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..errors import CheckpointChangedError, CheckpointNotFoundError
-
-    def one(item: tuple[str, int]) -> bytes:
-        name, size = item
-        try:
-            return folder.read_bytes(name, size + 1)
-        except CheckpointNotFoundError:
-            try:
-                now = folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-            except CheckpointError:
-                now = b""
-            if int(checksum(now), 16) != digest:
-                raise CheckpointChangedError(
-                    f"{folder.location}: the checkpoint was deleted or replaced while it was read") from None
-            raise CorruptCheckpointError(f"file index {folder.where(name)} is missing") from None
-
-    def read(items: list[tuple[str, int]]) -> list[bytes]:
-        if remote and len(items) > 1:
-            with ThreadPoolExecutor(min(INDEX_THREADS, len(items)), thread_name_prefix="shardsafe-index") as pool:
-                return list(pool.map(one, items))
-        return [one(i) for i in items]
-
-    return read
 
 
 def dests_of(fills: list[Fill]) -> list[Dest]:
@@ -134,8 +88,8 @@ def dests_of(fills: list[Fill]) -> list[Dest]:
 
 @dataclass
 class ReadPlan:
-    """Phase 3: the read ops, the blocks to verify before landing, and the ops whose
-    blocks are verified after landing (memory the loader allocated)."""
+    """The plan phase: the read ops, the blocks to verify before landing, and the ops
+    whose blocks are verified after landing (memory the loader allocated)."""
 
     ops: list[ReadOp]
     checks: list[BlockCheck]
@@ -156,11 +110,13 @@ class ReadPlan:
 
 
 def plan_phase(manifest: Manifest, fills: list[Fill], *, verify: bool, verify_fresh_first: bool,
-               max_buffer: int) -> ReadPlan:
-    """Ops for every fill; with ``verify`` the blocks to check. Whole chunks landing in
-    fresh memory are checked after they land unless ``verify_fresh_first``."""
+               max_buffer: int, geoms: Geometry = None, dests: list[Dest] | None = None) -> ReadPlan:
+    """Ops for every fill (``dests``: :func:`dests_of` the fills, when the caller has them;
+    their indexes fetched, ``geoms`` from the fetch phase); with ``verify`` the blocks to
+    check. Whole chunks landing in fresh memory are checked after they land unless
+    ``verify_fresh_first``. Reads nothing."""
     with gc_paused():  # one pause for both steps: their objects are collected once, afterwards
-        ops = plan_reads(manifest, dests_of(fills), max_buffer)
+        ops = plan_reads(manifest, dests_of(fills) if dests is None else dests, max_buffer, geoms)
         post: set[int] = set()
         if verify and not verify_fresh_first:
             post = {i for i, op in enumerate(ops)
@@ -216,56 +172,240 @@ def apply_phase(result: MatchResult) -> None:
                                   f"{type(exc).__name__}: {exc}") from exc
 
 
-class CheckpointReader:
-    """One committed checkpoint, open for reading whole tensors one at a time (CPU,
-    checksums verified as they land). Files are opened and headers checked once.
-    Memory: the tensor being read, plus staging of at most ``max_buffer`` bytes."""
-
-    def __init__(self, backend: Backend, location: str, *, verify: bool = True, memory: HostMemory | None = None,
-                 threads: int = 2, max_buffer: int = 16 << 20, opened: Opened | None = None,
-                 progress: Callable[[int], None] | None = None) -> None:
-        self.opened = opened if opened is not None else read_manifest_phase(backend, location)
-        self.manifest = self.opened.manifest
-        self.location = location
-        self.verify = verify
-        self.max_buffer = max_buffer
-        self.block = block_size(self.manifest)
-        self.files = OpenFiles(self.opened.folder, self.manifest, digest=self.opened.digest, spill=backend.remote,
-                               siblings=self.opened.siblings)
-        self.reader = Reader(self.files, memory or HostMemory(), threads, progress)
-        self.fetch_threads = max(threads, 8)
-
-    def read(self, key: str) -> torch.Tensor:
-        """The full tensor ``key`` (a manifest tensor key) as a fresh CPU tensor."""
-        if key not in self.manifest.tensors:
-            from ..hints import missing_tensor
-
-            raise missing_tensor(self.manifest, key)
-        matcher = Matcher(self.manifest)
-        tensor = matcher.fresh_tensor(key)
-        fills = matcher.result.fills
-        plan = plan_phase(self.manifest, fills, verify=self.verify, verify_fresh_first=False,
-                          max_buffer=self.max_buffer)
-        open_files_phase(self.files, plan, self.fetch_threads)
+def retrying(attempt: Callable[[], T]) -> T:
+    """Run a load attempt again (up to LOAD_RETRIES in all) while its checkpoint is
+    replaced under it."""
+    for n in range(LOAD_RETRIES):
         try:
-            plan.verify_with(self.reader)
-            land_phase(self.reader, plan, fills, self.max_buffer, self.block)
-        finally:
-            if self.files.spill:
-                self.files.forget()  # the spill holds one tensor at a time
-        return tensor
+            return attempt()
+        except CheckpointChangedError:
+            if n == LOAD_RETRIES - 1:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+# ----------------------------------------------------------------------------- load in place
+
+
+@dataclass
+class LoadOptions:
+    """The caller's choices of an in-place load (see :func:`shardsafe.load`)."""
+
+    strict: bool = True
+    verify: bool = True
+    max_buffer: int = DEFAULT_MAX_BUFFER
+    exclude: Any = ()
+    cast_dtype: bool = False
+    broadcast: bool = False
+
+
+@dataclass
+class _Load:
+    """One attempt's state, phase by phase (closed at the end of the attempt)."""
+
+    opened: Opened | None = None
+    result: MatchResult | None = None
+    mine: list[Fill] = field(default_factory=list)
+    plan: ReadPlan | None = None
+    files: OpenFiles | None = None
+    reader: Reader | None = None
+    verified: int = 0
+    fetched: int = 0
 
     def close(self) -> None:
-        """Close the files and the folder."""
-        self.files.close()
-        self.opened.close()
-
-    def __enter__(self) -> CheckpointReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        if self.files is not None:
+            self.fetched = self.files.fetched
+            self.files.close()
+        if self.opened is not None:
+            self.opened.close()
 
 
-__all__ = ["CheckpointReader", "LoadInfo", "Opened", "ReadPlan", "apply_phase", "block_size", "land_phase",
-           "open_files_phase", "plan_phase", "read_manifest_phase", "DEFAULT_MAX_BUFFER", "CheckpointError"]
+def load_in_place(state_dict: dict[str, Any], backend: Backend, location: str, comm: Comm, res: ReadResources,
+                  opts: LoadOptions) -> LoadInfo:
+    """Load the checkpoint at ``location`` into ``state_dict`` in place (every rank of
+    ``comm``), starting again while it is replaced under the load."""
+    def attempt() -> LoadInfo:
+        with active_group(comm.group, comm.rank, comm.world):
+            return _load_once(state_dict, backend, location, comm, res, opts)
+
+    return retrying(attempt)
+
+
+def _load_once(state_dict: dict[str, Any], backend: Backend, location: str, comm: Comm, res: ReadResources,
+               opts: LoadOptions) -> LoadInfo:
+    t0 = time.perf_counter()
+    retries0 = backend.retries
+    max_buffer = res.memory.fits(opts.max_buffer)
+    load = _Load()
+    error = _match_phases(load, state_dict, backend, location, comm, opts)
+    # Replicated tensors every rank needs whole: one rank reads each, then sends it.
+    shared = broadcast_plan(comm, load.result.fills if error is None and load.result else None,
+                            load.opened.manifest if load.opened else None) if opts.broadcast else []
+    load.mine = [] if load.result is None else reading_fills(load.result.fills, shared, comm.rank)
+    if error is None:
+        error = _verify_phases(load, backend, res, opts, max_buffer)
+    try:
+        comm.agree(error, load.opened.digest if load.opened is not None else None, f" at {location}")
+        copied = 0
+        try:
+            assert load.reader is not None and load.plan is not None and load.opened is not None
+            copied = land_phase(load.reader, load.plan, load.mine, max_buffer, block_size(load.opened.manifest))
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        comm.agree(error)
+    finally:
+        load.close()
+    result = load.result
+    assert result is not None
+    received = 0
+    for s in shared:  # the same order on every rank
+        received += comm.share_tensor(piece_of(result.fills[s.index], s.piece), s.owner, s.members)
+    error = None
+    try:
+        apply_phase(result)
+    except Exception as exc:  # noqa: BLE001 - every rank raises the same error
+        error = exc
+    comm.agree(error)
+    return LoadInfo(location, load.verified if opts.verify else copied, len({f.key for f in result.fills}),
+                    time.perf_counter() - t0, copied, bytes_received=received,
+                    retries=backend.retries - retries0, bytes_fetched=load.fetched)
+
+
+def _match_phases(load: _Load, state_dict: dict[str, Any], backend: Backend, location: str, comm: Comm,
+                  opts: LoadOptions) -> BaseException | None:
+    """Open, manifest and match (this rank's rank-local values fetched first), and the
+    indexes that cutting the matched rules needs; the error, agreed on later."""
+    try:
+        load.opened = read_manifest_phase(backend, location)
+        manifest = load.opened.manifest
+        check_tree(manifest)
+        fetch_rank_local(load.opened, comm.rank)
+        matcher = Matcher(manifest, rank=comm.rank, strict=opts.strict, exclude=opts.exclude, world=comm.world,
+                          cast_dtype=opts.cast_dtype)
+        matcher.match(state_dict, manifest.tree, [], top=True)
+        matcher.check_exclude(manifest.tree)
+        load.result = matcher.result
+        load.result.raise_errors()
+        if opts.broadcast:  # the broadcast plan cuts rules too
+            fetch_cut_indexes(load.opened, dests_of(load.result.fills))
+    except Exception as exc:  # noqa: BLE001 - agreed on by every rank
+        return exc
+    return None
+
+
+def _verify_phases(load: _Load, backend: Backend, res: ReadResources, opts: LoadOptions,
+                   max_buffer: int) -> BaseException | None:
+    """Fetch indexes, plan, open the files and verify what is read before landing."""
+    try:
+        opened = load.opened
+        assert opened is not None
+        dests = dests_of(load.mine)
+        geoms = fetch_plan_indexes(opened, dests)
+        load.plan = plan_phase(opened.manifest, load.mine, verify=opts.verify, verify_fresh_first=True,
+                               max_buffer=max_buffer, geoms=geoms, dests=dests)
+        load.files = OpenFiles(opened.folder, opened.manifest, digest=opened.digest, spill=backend.remote,
+                               siblings=opened.siblings)
+        open_files_phase(load.files, load.plan, res.fetch_threads)
+        load.reader = Reader(load.files, res.memory, res.read_threads)
+        load.verified = load.plan.verify_with(load.reader)
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    return None
+
+
+def broadcast_plan(comm: Comm, fills: list | None, manifest: Any) -> list[Shared]:
+    """The pieces of boxes this rank shares with others (an identical key and box needed
+    whole by several ranks), planned by :func:`plan_sharing` from one all-gather of every
+    rank's (key, box, bytes) list, as JSON (no pickle); ``Shared.index`` is a fill index.
+    Empty when a rank has no fills (its error is agreed on later)."""
+    mine: dict[tuple, int] = {}
+    requests: list[list] = []
+    device = comm._device() if comm.distributed else None  # where this group's collectives take tensors
+    if fills is not None and manifest is not None:
+        for i, f in enumerate(fills):
+            entry = manifest.tensors.get(f.key)
+            if entry is None or entry.kind == "rank_local" or f.fresh or f.cast:
+                continue
+            if device is not None and str(f.tensor.device) != device:
+                continue  # gloo sends CPU tensors only, NCCL tensors on the current GPU only
+            if tuple(f.tensor.shape) != tuple(f.box.lengths):
+                continue  # not a plain view of its box: read by every rank
+            box = (f.key, tuple(f.box.offsets), tuple(f.box.lengths))
+            if box not in mine:
+                mine[box] = i
+                requests.append([f.key, list(f.box.offsets), list(f.box.lengths),
+                                 f.tensor.numel() * f.tensor.element_size()])
+    wire = b"-" if fills is None else json.dumps(requests).encode()
+    everyone = comm.all_gather_bytes(wire)
+    if any(w == b"-" for w in everyone):
+        return []
+    gathered = [[(k, tuple(o), tuple(n), b) for k, o, n, b in json.loads(w)] for w in everyone]
+    fill_of = list(mine.values())
+    return [s._replace(index=fill_of[s.index]) for s in plan_sharing(manifest, gathered, comm.rank)]
+
+
+def piece_of(fill: Fill, piece: Box) -> Any:
+    """The view of ``fill.tensor`` that holds ``piece`` (global coordinates)."""
+    t = fill.tensor
+    for d, (o, n, fo) in enumerate(zip(piece.offsets, piece.lengths, fill.box.offsets)):
+        if o != fo or n != t.shape[d]:
+            t = t.narrow(d, o - fo, n)
+    return t
+
+
+def reading_fills(fills: list[Fill], shared: list[Shared], rank: int) -> list[Fill]:
+    """The fills this rank reads: those it shares with nobody, and the pieces it owns of
+    those it shares (a view of the fill's tensor each)."""
+    split = {s.index for s in shared}
+    out = [f for i, f in enumerate(fills) if i not in split]
+    for s in shared:
+        if s.owner == rank:
+            f = fills[s.index]
+            out.append(f if s.piece == f.box else Fill(f.key, piece_of(f, s.piece), s.piece, fresh=False))
+    return out
+
+
+# ----------------------------------------------------------------------------- load full
+
+
+def load_full_tree(backend: Backend, location: str, keys: list[str] | None, res: ReadResources, *,
+                   verify: bool = True, rank: int = 0) -> Any:
+    """A fresh tree of full CPU tensors from the checkpoint at ``location`` (``keys``: only
+    those subtrees; ``rank``: whose rank-local values), starting again while it is
+    replaced under the load."""
+    return retrying(lambda: _load_full_once(backend, location, keys, res, verify, rank))
+
+
+def _load_full_once(backend: Backend, location: str, keys: list[str] | None, res: ReadResources, verify: bool,
+                    rank: int) -> Any:
+    opened = read_manifest_phase(backend, location)
+    try:
+        manifest = opened.manifest
+        check_tree(manifest)
+        tree = manifest.tree
+        if keys is not None:
+            tree = select(tree, list(keys))
+        fetch_rank_local(opened, rank)
+        matcher = Matcher(manifest, rank=rank)
+        value = matcher.materialize(tree)
+        matcher.result.raise_errors()
+        fills = matcher.result.fills
+        max_buffer = res.memory.fits(DEFAULT_MAX_BUFFER)
+        dests = dests_of(fills)
+        geoms = fetch_plan_indexes(opened, dests)
+        plan = plan_phase(manifest, fills, verify=verify, verify_fresh_first=False, max_buffer=max_buffer,
+                          geoms=geoms, dests=dests)
+        with OpenFiles(opened.folder, manifest, digest=opened.digest, spill=backend.remote,
+                       siblings=opened.siblings) as files:
+            open_files_phase(files, plan, res.fetch_threads)
+            reader = Reader(files, res.memory, res.read_threads)
+            plan.verify_with(reader)
+            land_phase(reader, plan, fills, max_buffer, block_size(manifest))
+        return value
+    finally:
+        opened.close()
+
+
+__all__ = ["DEFAULT_MAX_BUFFER", "LoadInfo", "LoadOptions", "ReadPlan", "ReadResources", "apply_phase",
+           "block_size", "broadcast_plan", "dests_of", "land_phase", "load_full_tree", "load_in_place",
+           "open_files_phase", "piece_of", "plan_phase", "reading_fills", "retrying"]

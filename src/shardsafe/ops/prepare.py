@@ -38,7 +38,7 @@ from ..plan.save_plan import (
 from ..storage.base import Backend, Folder
 from .describe import Described, agreed_tree, check_replicas, describe, replica_digests
 from .incremental import VersionMemo, chain_depth, open_base, refer
-from .load import Opened
+from .metadata import Opened
 
 CHECKSUM_BLOCK = 1 << 20
 

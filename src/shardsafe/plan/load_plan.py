@@ -118,24 +118,30 @@ def _intersections(dest: Dest, meeting: list[Chunk], size: int, max_buffer: int
     return out, covered, len(parts) > 1 and not boxes_disjoint(parts)
 
 
-def plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int = DEFAULT_MAX_BUFFER) -> list[ReadOp]:
-    """Read ops covering every destination exactly; a hole or an overlap in the saved
-    chunks is a CorruptCheckpointError naming the tensor. (The cyclic GC is paused: the
-    ops are many small acyclic objects, and a collection over a big heap per few hundred
-    of them tripled planning time at thousands of tensors.)"""
-    with gc_paused():
-        return _plan_reads(manifest, dests, max_buffer)
+Boxes = list[tuple[tuple[int, ...], tuple[int, ...], int]]
+Geometry = list[Boxes | None] | None
+"""Format 3: per destination, the (offsets, lengths, file) boxes it meets (None where
+the entry's chunks are not in file indexes); None for a manifest without indexes."""
 
 
-def _plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int) -> list[ReadOp]:
-    ops: list[ReadOp] = []
-    append = ops.append
-    memo: dict[tuple, tuple] = {}
-    geoms: list | None = None
+class IndexNeeds(NamedTuple):
+    """What a plan needs from file indexes: the boxes each destination meets, and the
+    files whose indexes list them (for the reader's fetch-indexes phase)."""
+
+    geoms: Geometry
+    files: set[int]
+
+
+def index_needs(manifest: Manifest, dests: list[Dest]) -> IndexNeeds:
+    """The boxes every destination meets and the files whose indexes hold their byte
+    ranges, from the manifest alone (no index is read; cutting a rule beyond the work pool
+    needs every index fetched first, see ``Manifest.cuts_need_indexes``)."""
+    if not manifest.indexed:
+        return IndexNeeds(None, set())
+    geoms: list[Boxes | None] = []
+    needed: set[int] = set()
     tensors = manifest.tensors
-    if manifest.indexed:  # format 3: the boxes each dest meets, then every index they need, read at once
-        geoms = []
-        needed: set[int] = set()
+    with gc_paused():
         for dest in dests:
             entry = tensors.get(dest.key)
             box = dest.box
@@ -145,7 +151,28 @@ def _plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int) -> list[
             geom = entry.boxes_meeting(box.offsets, box.lengths)
             geoms.append(geom)
             needed.update([f for _, _, f in geom] if len(geom) != 1 else (geom[0][2],))
-        manifest.load_indexes(needed)
+    return IndexNeeds(geoms, needed)
+
+
+def plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int = DEFAULT_MAX_BUFFER,
+               geoms: Geometry = None) -> list[ReadOp]:
+    """Read ops covering every destination exactly; a hole or an overlap in the saved
+    chunks is a CorruptCheckpointError naming the tensor. Format 3: the indexes of the
+    files the destinations meet must be attached (``geoms``: :func:`index_needs`'s boxes,
+    when the caller has them). Pure: nothing is read. (The cyclic GC is paused: the ops
+    are many small acyclic objects, and a collection over a big heap per few hundred of
+    them tripled planning time at thousands of tensors.)"""
+    if geoms is None and manifest.indexed:
+        geoms = index_needs(manifest, dests).geoms
+    with gc_paused():
+        return _plan_reads(manifest, dests, max_buffer, geoms)
+
+
+def _plan_reads(manifest: Manifest, dests: list[Dest], max_buffer: int, geoms: Geometry) -> list[ReadOp]:
+    ops: list[ReadOp] = []
+    append = ops.append
+    memo: dict[tuple, tuple] = {}
+    tensors = manifest.tensors
     sizes: dict[str, int] = {}
     for index, dest in enumerate(dests):
         key, box = dest.key, dest.box

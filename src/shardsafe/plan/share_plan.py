@@ -43,10 +43,11 @@ def _pieces(manifest: Manifest, key: str, box: Box) -> list[tuple[Box, int]]:
     entry = manifest.tensors.get(key)
     out: list[tuple[Box, int]] = []
     covered = 0
-    for c in entry.chunks_meeting(box.offsets, box.lengths) if entry is not None else ():
-        part = intersect(box, Box(c.offsets, c.lengths))
+    files = manifest.files
+    for o, n, f in entry.boxes_meeting(box.offsets, box.lengths) if entry is not None else ():
+        part = intersect(box, Box(o, n))  # boxes only: planning reads no file index
         if part is not None and part.numel:
-            out.append((part, c.rank))
+            out.append((part, files[f].rank))
             covered += part.numel
     return out if out and covered == box.numel else [(box, -1)]
 

@@ -92,7 +92,7 @@ def copy_checkpoint(src: PathLike, dst: PathLike, *, overwrite: bool = False, wi
                     Manifest(manifest.tree, manifest.tensors, files, manifest.world_size, manifest.rank_local,
                              manifest.created, manifest.writer, manifest.extra)
                 if manifest.refs:
-                    manifest.load_all_indexes()
+                    reader.fetch_all_indexes()
                     refs = []
                     for j, ref in enumerate(manifest.refs):
                         name = f"ref-{j:05d}{target.suffix}.safetensors"
@@ -159,6 +159,7 @@ def _copy_file(reader: Any, index: int, folder: Any, name: str, block: int, wind
     manifest: Manifest = reader.manifest
     entry = manifest.files[index]
     handle = reader.files.handle(index)
+    reader.fetch_indexes([index])  # format 3: the file's chunks are listed in its index
     checks = sorted((c for key, chunk in manifest.chunks_in_file(index)
                      for c in chunk_checks(key, chunk, None, block)), key=lambda c: c.lo)
     out = folder.create(name)

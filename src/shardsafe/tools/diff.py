@@ -159,6 +159,9 @@ def _diff(reader_a: Any, reader_b: Any, atol: float, rtol: float, keys: tuple[st
           progress: bool | None) -> DiffReport:
     t0 = time.perf_counter()
     man_a, man_b = reader_a.manifest, reader_b.manifest
+    for reader in (reader_a, reader_b):
+        if reader.manifest.rank_local:  # format 3: each saving rank's values are in its file's index
+            reader.fetch_indexes(range(len(reader.manifest.files)))
     report = DiffReport(str(reader_a.location), str(reader_b.location), atol, rtol)
     la = {leaf.key: leaf for leaf in leaves(man_a) if leaf.kind != "rank_local"}
     lb = {leaf.key: leaf for leaf in leaves(man_b) if leaf.kind != "rank_local"}

@@ -49,7 +49,7 @@ from ..format.manifest import Manifest
 from ..format.values import PICKLE_INT_BOUND, decode
 from ..gcpause import gc_paused
 from ..hints import as_keys, missing_tensor
-from ..ops.load import CheckpointReader, land_phase, open_files_phase, plan_phase
+from ..ops.reader import CheckpointReader
 from ..state.saved import children, select, walk
 from ..state.tree import join_key, saved_ref
 from .common import DCP_EMPTY_DICTS, Output, PathLike, UsageError, human_bytes, locate, no_match, parse_size
@@ -295,6 +295,12 @@ def export_checkpoint(
             cp.close()
 
 
+def read_tensors(reader: CheckpointReader, keys: list[str]) -> list[torch.Tensor]:
+    """The full tensors ``keys`` as fresh CPU tensors, read together (one plan, every
+    checksum verified): :meth:`CheckpointReader.read_many`."""
+    return reader.read_many(keys)
+
+
 @dataclass
 class _Job:
     """One export: the open reader and where the output goes."""
@@ -312,7 +318,8 @@ class _Job:
             config_key: str | None, t0: float) -> ExportReport:
         manifest = self.reader.manifest
         skipped: list[str] = []
-        if manifest.rank_local:
+        if manifest.rank_local:  # format 3: each saving rank's values are in its file's index
+            self.reader.fetch_indexes(range(len(manifest.files)))
             tree = expand_rank_local(manifest.tree, manifest, rank, skipped)
             all_keys = tree_keys(tree)
         else:  # the tree as saved, where any $rank_local is dangling (one walk, no copy)
@@ -342,7 +349,7 @@ class _Job:
         # Every index is read, verified and parsed before any output is laid out: a hostile
         # index (say chunks claiming 2^64 checksum blocks) is a CorruptCheckpointError here,
         # never a failure of the output's writer on absurd sizes.
-        manifest.load_indexes(range(len(manifest.files)))
+        self.reader.fetch_indexes(range(len(manifest.files)))
         built = _Built()
         built.skeleton = _build(tree, [], manifest, dtype, built)
         report = ExportReport(str(self.out), self.to)
@@ -453,30 +460,6 @@ class _Job:
         finally:
             target.close()
 
-
-
-def read_tensors(reader: CheckpointReader, keys: list[str]) -> list[torch.Tensor]:
-    """The full tensors ``keys`` (manifest tensor keys) as fresh CPU tensors, read together
-    as ``load_full`` reads them: one plan, every checksum verified (the blocks read before
-    landing, fresh whole chunks right after), one landing; nothing is returned unverified."""
-    from ..state.match import Matcher
-
-    manifest = reader.manifest
-    for key in keys:
-        if key not in manifest.tensors:
-            raise missing_tensor(manifest, key)
-    matcher = Matcher(manifest)
-    tensors = [matcher.fresh_tensor(key) for key in keys]
-    fills = matcher.result.fills
-    plan = plan_phase(manifest, fills, verify=reader.verify, verify_fresh_first=False, max_buffer=reader.max_buffer)
-    open_files_phase(reader.files, plan, reader.fetch_threads)
-    try:
-        plan.verify_with(reader.reader)
-        land_phase(reader.reader, plan, fills, reader.max_buffer, reader.block)
-    finally:
-        if reader.files.spill:
-            reader.files.forget()  # the spill holds one batch at a time
-    return tensors
 
 
 class Fetcher:

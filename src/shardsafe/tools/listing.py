@@ -150,11 +150,10 @@ def _ref_problem(folder: Folder, parent: Folder | None, checkpoint: str, name: s
 
 
 def referred_bytes(manifest: Manifest) -> int:
-    """Bytes of the chunks a checkpoint leaves in other checkpoints' files (reads its
-    indexes when it has references; 0 without)."""
+    """Bytes of the chunks a checkpoint leaves in other checkpoints' files (its indexes
+    fetched when it has references; 0 without)."""
     if not manifest.refs:
         return 0
-    manifest.load_all_indexes()
     return sum(c.end - c.start for f in range(len(manifest.files)) for _, c in manifest.index(f).referred())
 
 
@@ -252,7 +251,7 @@ def _with_refs(entry: StepEntry, manifest: Manifest | None, folder: Folder) -> S
     """``entry`` with the bytes its checkpoint refers to (read from its indexes)."""
     if manifest is None or not any(r.checkpoint for r in manifest.refs):
         return entry  # no references, or only to files in its own folder (a self-contained copy)
-    from ..ops.load import index_reader
+    from ..ops.metadata import Opened, fetch_all_indexes, index_reader
 
     entry.refers_to = sorted({r.checkpoint for r in manifest.refs if r.checkpoint})
     inc = manifest.extra.get("incremental")
@@ -261,7 +260,7 @@ def _with_refs(entry: StepEntry, manifest: Manifest | None, folder: Folder) -> S
         entry.referred = recorded
         return entry
     try:
-        manifest.index_source = index_reader(folder, 0, False)
+        fetch_all_indexes(Opened(folder.location, folder, manifest, 0, read_indexes=index_reader(folder, 0, False)))
         entry.referred = referred_bytes(manifest)
     except CheckpointError as exc:
         if entry.problem is None:

@@ -22,7 +22,9 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.dtypes import itemsize, torch_dtype
 from ..format.manifest import Chunk, Manifest
 from ..layout import Box, boxes_disjoint
-from ..ops.load import CheckpointReader, block_size, read_manifest_phase
+from ..ops.load import block_size
+from ..ops.metadata import read_manifest_phase
+from ..ops.reader import CheckpointReader
 from ..plan.load_plan import BlockCheck, chunk_checks
 from ..state.match import Matcher
 from .common import PathLike, human_bytes
@@ -88,15 +90,16 @@ class VerifyReport:
         return "\n".join([*lines, f"{summary}: {len(self.problems)} problem(s)"])
 
 
-def _indexes(manifest: Manifest) -> tuple[set[int], list[Problem]]:
-    """Format 3: read and check every file's index; the files whose index is unusable."""
+def _indexes(reader: CheckpointReader) -> tuple[set[int], list[Problem]]:
+    """Format 3: fetch and check every file's index; the files whose index is unusable."""
+    manifest = reader.manifest
     bad: set[int] = set()
     problems: list[Problem] = []
     if not manifest.indexed:
         return bad, problems
     for i, entry in enumerate(manifest.files):
         try:
-            manifest.load_indexes([i])
+            reader.fetch_indexes([i])
         except CorruptCheckpointError as exc:
             bad.add(i)
             problems.append(Problem(f"file index: {exc}", entry.index_name))
@@ -214,15 +217,12 @@ def verify_checkpoint(path: PathLike, *, threads: int | None = None, progress: b
     return report
 
 
-def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | None = None) -> None:
+def _check_files(reader: CheckpointReader, report: VerifyReport, bad_index: set[int]
+                 ) -> tuple[set[int], dict[int, int]]:
+    """Open every data file and referenced file, report missing ones, wrong sizes and bad
+    headers; the usable files and every opened file's size."""
     manifest = reader.manifest
-    block = block_size(manifest)
     files = reader.files
-    report.files = len(manifest.files)
-    bad_index, index_problems = _indexes(manifest)
-    report.problems.extend(index_problems)
-    report.problems.extend(_geometry(manifest, block, bad_index))
-    report.problems.extend(_values(manifest))
     files.check_sizes = False
     usable: set[int] = set()
     sizes: dict[int, int] = {}
@@ -260,6 +260,19 @@ def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | Non
         if sizes[nfiles + j] != ref.nbytes:
             report.problems.append(Problem(f"referenced file has {sizes[nfiles + j]} bytes, the manifest says "
                                            f"{ref.nbytes}", where))
+    return usable, sizes
+
+
+def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | None = None) -> None:
+    manifest = reader.manifest
+    block = block_size(manifest)
+    report.files = len(manifest.files)
+    bad_index, index_problems = _indexes(reader)
+    report.problems.extend(index_problems)
+    report.problems.extend(_geometry(manifest, block, bad_index))
+    report.problems.extend(_values(manifest))
+    usable, sizes = _check_files(reader, report, bad_index)
+    nfiles = len(manifest.files)
 
     def name_of(f: int) -> str:
         ref = manifest.ref_file(f)
