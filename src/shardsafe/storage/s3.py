@@ -297,11 +297,23 @@ def _boto_client(bucket: str, o: S3Options, region: str, endpoint: str | None) -
     if o.access_key_id and o.secret_access_key:
         keys = {"aws_access_key_id": o.access_key_id, "aws_secret_access_key": o.secret_access_key,
                 "aws_session_token": o.session_token}
-    session = botocore.session.get_session()
     try:
-        return session.create_client("s3", region_name=region, endpoint_url=endpoint, config=config, **keys)
+        return _new_client("s3", region_name=region, endpoint_url=endpoint, config=config, **keys)
     except BotoCoreError as exc:
         raise CheckpointError(f"cannot configure S3 for bucket {bucket!r}: {_reason(exc)}") from None
+
+
+_SESSION: list[Any] = []  # one botocore session per process: its service models load once
+_SESSION_LOCK = threading.Lock()
+
+
+def _new_client(*args: Any, **kwargs: Any) -> Any:
+    """``create_client`` of the process's one botocore session (a session is not
+    thread-safe: one client is made at a time)."""
+    with _SESSION_LOCK:
+        if not _SESSION:
+            _SESSION.append(botocore.session.get_session())
+        return _SESSION[0].create_client(*args, **kwargs)
 
 
 def _upload_args(o: S3Options) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -836,7 +848,7 @@ class _Part:
 
     def __init__(self, memory: HostMemory, size: int) -> None:
         self.lease: Lease | None = memory.lease(size, wait=False)
-        self.buf = memoryview(self.lease.tensor.numpy())
+        self.buf: memoryview | None = memoryview(self.lease.tensor.numpy())
         self.ranges: list[tuple[int, int]] = []
         self.have = 0
 
@@ -868,8 +880,9 @@ class _Part:
             t[at:n].zero_()
 
     def release(self) -> None:
-        """Give the buffer back to the budget (idempotent)."""
+        """Give the buffer back to the budget and drop it (idempotent)."""
         lease, self.lease = self.lease, None
+        self.buf = None  # the memory is freed once no upload holds a view of it
         if lease is not None:
             lease.release()
 
@@ -997,7 +1010,8 @@ class S3WriteHandle(WriteHandle):
         self._finishing = False  # finish() began: an object may exist, abort() deletes it
 
     # -- parts -----------------------------------------------------------------------------
-    def _part(self, index: int) -> _Part:
+    def _part(self, index: int) -> tuple[_Part, memoryview]:
+        """Part ``index`` and its buffer (held here: an abort may release the part meanwhile)."""
         with self._lock:
             if self._state != "open":
                 raise StorageError(f"cannot write {self.where}: the file is {self._state}", errno.EBADF, self.where)
@@ -1011,7 +1025,8 @@ class S3WriteHandle(WriteHandle):
                         f"cannot write {self.where}: more than {MAX_PARTS} parts of {self.part_size} bytes "
                         "(raise the part_size storage option)", errno.EFBIG, self.where)
                 part = self._parts[index] = _Part(self.memory, self.part_size)
-            return part
+            assert part.buf is not None
+            return part, part.buf
 
     def _start(self) -> _Uploads:
         with self._lock:
@@ -1072,8 +1087,8 @@ class S3WriteHandle(WriteHandle):
             while i < n:
                 index, off = divmod(pos, ps)
                 m = min(ps - off, n - i)
-                part = self._part(index)
-                part.buf[off: off + m] = view[i: i + m]
+                part, buf = self._part(index)
+                buf[off: off + m] = view[i: i + m]
                 with self._lock:
                     full = part.add(off, off + m) == ps and self._parts.get(index) is part
                     if full:
