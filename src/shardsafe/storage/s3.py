@@ -842,12 +842,14 @@ class _Scatter:
 class _Part:
     """The buffer of one part, leased from the backend's memory budget without waiting (the
     writer filling it may hold a staging slot of the same budget), and the byte ranges of
-    it written so far."""
+    it written so far. Buffers are kept by the budget for the next parts (``keep``): a
+    save after a save allocates nothing (freed 16 MiB buffers stay in malloc's arenas and
+    grew the RSS by about 4 parts per save when each part had a new one)."""
 
     __slots__ = ("lease", "buf", "ranges", "have")
 
     def __init__(self, memory: HostMemory, size: int) -> None:
-        self.lease: Lease | None = memory.lease(size, wait=False)
+        self.lease: Lease | None = memory.lease(size, keep=True, wait=False)
         self.buf: memoryview | None = memoryview(self.lease.tensor.numpy())
         self.ranges: list[tuple[int, int]] = []
         self.have = 0
