@@ -9,10 +9,10 @@ upload's part, filled by a writer that holds a staging slot) is leased with ``wa
 it is counted at once, even beyond the limit, and the other leases wait until it is back,
 except that a waiting lease is always granted while no other waiting lease is out (a part
 still being filled needs the bytes of a staging slot: it must never starve the slot).
-This module is the bottom layer (torch and errors only), so storage backends lease from
-the same budget as the engine. Buffers leased with
-``keep=True`` (the slots of async saves) are kept after release and handed out again,
-so repeated saves allocate nothing new; the others are freed on release. Buffers are
+Buffers leased with ``keep=True`` (the slots of async saves, object-store parts) are kept
+after release and handed out again, so repeated saves allocate nothing new; the others are
+freed on release. This module is the bottom layer (torch and errors only), so storage
+backends lease from the same budget as the engine. Buffers are
 pinned (page-locked) when asked and CUDA is present, which makes device-to-host copies
 asynchronous.
 """
