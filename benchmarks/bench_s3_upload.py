@@ -154,6 +154,7 @@ def main() -> int:
     ap.add_argument("--before", default="6a0fd43", help="git revision of the code before (default: issue 23's base)")
     ap.add_argument("--weed", default=shutil.which("weed"), help="SeaweedFS's weed binary (skipped when absent)")
     ap.add_argument("--servers", default="moto,weed")
+    ap.add_argument("--cases", default="sync,async")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "bench_s3_upload.json"))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     for name in ("which", "case", "endpoint", "url", "before_file"):
@@ -199,7 +200,7 @@ def _line(r: dict[str, float]) -> str:
 def _alternate(a: argparse.Namespace, server: Any, before: Path) -> dict[str, Any]:
     """Every case, before/after alternating, ``reps`` times; prints the medians."""
     out: dict[str, Any] = {}
-    for case in ("sync", "async"):
+    for case in a.cases.split(","):
         runs: dict[str, list[dict]] = {"before": [], "after": []}
         for rep in range(a.reps):
             for which in rotated(["before", "after"], rep):
