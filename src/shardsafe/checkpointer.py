@@ -128,15 +128,22 @@ class Checkpointer:
     def locate(self, path: PathLike, storage_options: dict[str, Any] | None = None) -> tuple[Backend, str]:
         """The backend for ``path`` and the location there (unsupported URLs raise).
         ``storage_options`` (for object-store URLs) override this Checkpointer's for this
-        call; a backend is built once per distinct set of options and kept."""
+        call; a backend is built once per distinct set of options and kept. A backend that
+        leases host buffers of its own (``use_memory``: S3 parts) gets this Checkpointer's
+        budget, the one every staging and read buffer comes from."""
         if not storage_options:
-            return resolve_location(path, self.backends, self.storage_options)
-        key = json.dumps({**self.storage_options, **storage_options}, sort_keys=True, default=str)
-        backends = self._option_backends.setdefault(key, dict(self.backends))
-        for scheme in OBJECT_SCHEMES:
-            if backends.get(scheme) is self.backends.get(scheme):
-                backends.pop(scheme, None)  # built anew with these options
-        return resolve_location(path, backends, {**self.storage_options, **storage_options})
+            backend, location = resolve_location(path, self.backends, self.storage_options)
+        else:
+            key = json.dumps({**self.storage_options, **storage_options}, sort_keys=True, default=str)
+            backends = self._option_backends.setdefault(key, dict(self.backends))
+            for scheme in OBJECT_SCHEMES:
+                if backends.get(scheme) is self.backends.get(scheme):
+                    backends.pop(scheme, None)  # built anew with these options
+            backend, location = resolve_location(path, backends, {**self.storage_options, **storage_options})
+        use_memory = getattr(backend, "use_memory", None)
+        if use_memory is not None:
+            use_memory(self.memory)
+        return backend, location
 
     def _check_open(self) -> None:
         if self._closed:
