@@ -68,7 +68,7 @@ def test_no_file_access_outside_storage():
 
 
 LAYERS = [
-    {"errors", "gcpause", "layout", "hints", "budget"},
+    {"errors", "gcpause", "layout", "hints", "budget", "knobs", "workers"},
     {"storage"},
     {"format"},
     {"checkpoint_folder", "steps"},
