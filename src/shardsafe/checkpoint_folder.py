@@ -36,13 +36,14 @@ from dataclasses import dataclass
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
 from .format.file_index import DATA_SUFFIX, INDEX_SUFFIX, data_name, index_name
 from .format.manifest import MANIFEST_NAME
+from .knobs import STALE_AFTER_S
 from .storage.base import Backend, Folder
 from .storage.commit import DEL_MARK, MARKS, OLD_MARK, TMP_MARK, Lock, Staging, hidden_name, leftover_of
 
 __all__ = ["DEL_MARK", "MARKS", "OLD_MARK", "POLICY", "TMP_MARK", "SaveTarget", "begin_save", "hidden_name",
            "leftover_of"]
 
-STALE_AFTER = 6 * 3600.0  # seconds; only where the filesystem has no locks
+STALE_AFTER = float(STALE_AFTER_S)  # seconds; only where the filesystem has no locks
 MAX_MANIFEST_BYTES = 4 << 30
 
 

@@ -38,6 +38,7 @@ from .ops.save import PlanCache, SaveInfo, SaveRequest, StagedSave, StagePolicy,
 from .storage.base import Backend
 from .storage.urls import OBJECT_SCHEMES, default_backends
 from .storage.urls import resolve as resolve_location
+from .workers import new_thread
 
 PathLike = str | os.PathLike
 
@@ -176,10 +177,9 @@ class Checkpointer:
         future = SaveFuture(staged.prep.location)
         future.stage_seconds = staged.seconds
         future._staged.set()
-        thread = threading.Thread(target=_complete_into, args=(staged, future), name="shardsafe-commit", daemon=True)
-        future._thread = thread
+        future._thread = new_thread(_complete_into, "commit", staged, future)
         self.pending = future
-        thread.start()
+        future._thread.start()
         if staged.error is not None and not comm.distributed:
             self.wait()
         return future

@@ -21,9 +21,15 @@ def pool(threads: int, job: str) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(1, threads), thread_name_prefix=PREFIX + job)
 
 
+def new_thread(target: Callable[..., Any], job: str, *args: Any) -> threading.Thread:
+    """A daemon thread named ``shardsafe-<job>`` that will run ``target(*args)``, not yet
+    started (for a caller that must record it before it runs); the caller joins it (a
+    daemon only so that a crash elsewhere cannot hang the exit)."""
+    return threading.Thread(target=target, args=args, name=PREFIX + job, daemon=True)
+
+
 def start_thread(target: Callable[..., Any], job: str, *args: Any) -> threading.Thread:
-    """A started daemon thread named ``shardsafe-<job>`` running ``target(*args)``; the
-    caller joins it (a daemon only so that a crash elsewhere cannot hang the exit)."""
-    thread = threading.Thread(target=target, args=args, name=PREFIX + job, daemon=True)
+    """:func:`new_thread`, started."""
+    thread = new_thread(target, job, *args)
     thread.start()
     return thread

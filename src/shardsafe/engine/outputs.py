@@ -25,6 +25,7 @@ import torch
 from ..errors import CheckpointError
 from ..format.datafile import ChunkEntry, build_header
 from ..format.dtypes import itemsize, safetensors_code
+from ..knobs import FLUSH_BYTES
 from ..storage.base import Folder, WriteHandle
 from .buffers import flat_bytes
 
@@ -46,7 +47,6 @@ class Slot:
         return n * itemsize(self.dtype)
 
 
-FLUSH_BYTES = 8 << 20
 """Tensor bytes an output file gathers before writing them (tensors are written whole, so a
 larger tensor is written at once): runs of adjacent tensors and fixed bytes (headers,
 the torch zip's records) become one vectored write each, not one write per tensor."""

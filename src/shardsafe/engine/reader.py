@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -26,17 +25,17 @@ from ..errors import CheckpointChangedError, CheckpointError, CheckpointNotFound
 from ..format.checksum import checksum
 from ..format.dtypes import torch_dtype
 from ..format.manifest import MANIFEST_NAME, Manifest
+from ..knobs import READ_BATCH as BATCH_BYTES
+from ..knobs import REMOTE_VERIFY_WINDOW, VERIFY_WINDOW
 from ..layout import Box
 from ..plan.load_plan import BlockCheck, ReadOp
 from ..storage.base import Folder, ReadHandle
 from ..storage.spill import SpilledHandle, prefetch
+from ..workers import pool
 from .buffers import writable_bytes
 from .memory import HostMemory, Lease
 
 IOV_MAX = 1024
-BATCH_BYTES = 8 << 20  # direct reads are batched up to this size (threads share many small tensors)
-VERIFY_WINDOW = 2 << 20  # bytes read at once for verification (then hashed while cached)
-REMOTE_VERIFY_WINDOW = 8 << 20  # the same on remote backends (one request each)
 
 
 class OpenFiles:
@@ -412,8 +411,8 @@ class Reader:
             self.files.handle(f)  # open (and size-check) every file before any byte lands
         batches = _batches(direct)
         groups = split_work(batches, [sum([len(view) for _, view in b]) for b in batches], self.threads)
-        with ThreadPoolExecutor(max(1, len(groups) - 1), thread_name_prefix="shardsafe-read") as pool:
-            futures = [pool.submit(self._read_batches, g) for g in groups[1:]]
+        with pool(len(groups) - 1, "read") as workers:
+            futures = [workers.submit(self._read_batches, g) for g in groups[1:]]
             try:
                 if groups:
                     self._read_batches(groups[0])
@@ -425,7 +424,7 @@ class Reader:
             if post_verify is not None:
                 jobs = [(op, view) for op, view in direct if post_verify(op)]
                 parts = split_work(jobs, [op.nbytes for op, _ in jobs], self.threads)
-                futures = [pool.submit(self._hash_landed, part, block) for part in parts[1:]]
+                futures = [workers.submit(self._hash_landed, part, block) for part in parts[1:]]
                 try:
                     if parts:
                         self._hash_landed(parts[0], block)
@@ -493,8 +492,8 @@ class Reader:
     def _run(self, fn: Callable, parts: list, problems: Problems | None) -> list:
         if len(parts) <= 1:
             return [fn(p, problems) for p in parts]
-        with ThreadPoolExecutor(len(parts) - 1, thread_name_prefix="shardsafe-read") as pool:
-            futures = [pool.submit(fn, p, problems) for p in parts[1:]]
+        with pool(len(parts) - 1, "read") as workers:
+            futures = [workers.submit(fn, p, problems) for p in parts[1:]]
             out = []
             try:
                 out.append(fn(parts[0], problems))

@@ -31,17 +31,16 @@ import torch
 from ..format.checksum import checksum
 from ..format.manifest import FileEntry
 from ..format.refs import block_digest, chunk_digest
+from ..knobs import BORROW_STRETCH, COPY_THREADS, PARALLEL_MIN
+from ..knobs import DENSE_PIECE as PART
+from ..knobs import SLOT_BYTES as SLOT
 from ..plan.save_plan import ChunkWrite, FileWrite
 from ..storage.base import Folder, WriteHandle
+from ..workers import pool, start_thread
 from .buffers import dense, flat_bytes, readable_bytes, resolved
 from .memory import HostMemory, Lease
 from .parallel import run_shares
 
-BORROW_STRETCH = 8 << 20  # bytes per stretch of borrowed memory (threads share a file in these)
-SLOT = 64 << 20  # bytes per staging slot
-COPY_THREADS = 4  # at most this many threads copy into one slot (the caller included)
-PART = 1 << 20  # a non-dense CPU source is made dense this many bytes at a time (cache-sized)
-PARALLEL_MIN = 8 << 20  # states smaller than this are staged by the caller alone
 IOV_MAX = 1024
 
 Source = Callable[[ChunkWrite], torch.Tensor]
@@ -155,9 +154,7 @@ class FileWriter:
     def start(self) -> None:
         """Start the background writer threads."""
         for i in range(self.n_threads):
-            t = threading.Thread(target=self._drain, name=f"shardsafe-writer-{i}", daemon=True)
-            t.start()
-            self.threads.append(t)
+            self.threads.append(start_thread(self._drain, f"writer-{i}"))
 
     # -- the caller's side: stretches -------------------------------------------------------
     def stage(self) -> None:
@@ -169,7 +166,7 @@ class FileWriter:
             copy_threads = 1 if self.cuda or self.staged_bytes < PARALLEL_MIN else min(COPY_THREADS,
                                                                                     os.cpu_count() or 1)
             if copy_threads > 1:
-                copier = ThreadPoolExecutor(copy_threads - 1, thread_name_prefix="shardsafe-stage")
+                copier = pool(copy_threads - 1, "stage")
             borrowed: list[tuple[int, int, memoryview]] = []
             at = size = 0
             for ci, (chunk, src, borrowable) in enumerate(zip(self.plan.chunks, self.sources, self.borrowable)):

@@ -32,14 +32,13 @@ from ..format.chunk_table import Chunk
 from ..format.file_index import IndexedChunk
 from ..format.manifest import Manifest
 from ..format.refs import RefFile, block_digest, chunk_digest
+from ..knobs import HASH_PIECE
 from ..layout import Box
 from ..plan.load_plan import Dest
 from ..plan.save_plan import Assignment, GlobalPlan
 from ..storage.base import Backend
 from .describe import Described
 from .metadata import Opened, fetch_cut_indexes, fetch_indexes, read_manifest_phase
-
-HASH_PIECE = 64 << 20  # accelerator tensors are copied to host this many bytes at a time to be hashed
 
 
 @dataclass

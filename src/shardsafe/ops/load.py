@@ -26,6 +26,7 @@ from ..engine.reader import OpenFiles, Reader
 from ..errors import CheckpointChangedError, CheckpointError, CorruptCheckpointError
 from ..format.manifest import Manifest
 from ..gcpause import gc_paused
+from ..knobs import LOAD_RETRIES
 from ..layout import Box
 from ..plan.load_plan import DEFAULT_MAX_BUFFER, BlockCheck, Dest, Geometry, ReadOp, block_checks, plan_reads
 from ..plan.share_plan import Shared, plan_sharing
@@ -41,7 +42,6 @@ from .metadata import (
     read_manifest_phase,
 )
 
-LOAD_RETRIES = 3  # a load that sees its checkpoint replaced mid-way starts again this often
 T = TypeVar("T")
 
 

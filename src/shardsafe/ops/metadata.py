@@ -12,17 +12,16 @@ fetches through these functions.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..checkpoint_folder import MAX_MANIFEST_BYTES, open_committed
 from ..errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.checksum import checksum
 from ..format.manifest import MANIFEST_NAME, Manifest
+from ..knobs import INDEX_THREADS
 from ..plan.load_plan import Dest, Geometry, index_needs
 from ..storage.base import Backend, Folder
-
-INDEX_THREADS = 16  # file indexes fetched at once from a remote backend
+from ..workers import pool
 
 IndexReader = Callable[[list[tuple[str, int]]], list[bytes]]
 
@@ -90,8 +89,8 @@ def index_reader(folder: Folder, digest: int, remote: bool) -> IndexReader:
 
     def read(items: list[tuple[str, int]]) -> list[bytes]:
         if remote and len(items) > 1:
-            with ThreadPoolExecutor(min(INDEX_THREADS, len(items)), thread_name_prefix="shardsafe-index") as pool:
-                return list(pool.map(one, items))
+            with pool(min(INDEX_THREADS, len(items)), "index") as workers:
+                return list(workers.map(one, items))
         return [one(i) for i in items]
 
     return read

@@ -24,6 +24,7 @@ from ..comm import describe as describe_error
 from ..format.dtypes import safetensors_code
 from ..format.file_index import IndexedChunk, data_name
 from ..format.refs import RefFile
+from ..knobs import CHECKSUM_BLOCK
 from ..layout import Box
 from ..plan.save_plan import (
     Assignment,
@@ -39,8 +40,6 @@ from ..storage.base import Backend, Folder
 from .describe import Described, agreed_tree, check_replicas, describe, replica_digests
 from .incremental import VersionMemo, chain_depth, open_base, refer
 from .metadata import Opened
-
-CHECKSUM_BLOCK = 1 << 20
 
 
 @dataclass

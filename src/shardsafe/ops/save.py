@@ -31,13 +31,12 @@ from typing import Any
 from ..comm import Comm
 from ..engine.memory import HostMemory
 from ..engine.writer import FileWriter
+from ..knobs import SYNC_STAGING
 from ..state.context import active_group
 from ..storage.base import Backend
 from .commit import FileResult, file_result, finish, remember
 from .incremental import VersionMemo
 from .prepare import CHECKSUM_BLOCK, PlanCache, PreparedSave, SaveInfo, prepare
-
-SYNC_STAGING = 128 << 20  # a save the caller awaits stages (GPU / non-dense tensors) through at most this much
 
 __all__ = ["CHECKSUM_BLOCK", "SYNC_STAGING", "PlanCache", "SaveInfo", "SaveRequest", "StagePolicy", "StagedSave",
            "complete", "stage", "stage_policy", "start"]

@@ -16,9 +16,8 @@ from ..errors import CorruptCheckpointError
 from ..format.dtypes import itemsize, torch_dtype
 from ..format.manifest import Chunk, Manifest
 from ..gcpause import gc_paused
+from ..knobs import MAX_BUFFER as DEFAULT_MAX_BUFFER
 from ..layout import Box, boxes_disjoint, byte_runs, intersect
-
-DEFAULT_MAX_BUFFER = 64 << 20
 
 
 class Dest(NamedTuple):

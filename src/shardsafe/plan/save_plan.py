@@ -30,15 +30,12 @@ from typing import NamedTuple
 from ..errors import CheckpointError
 from ..format.rules import Mesh, Rule, parse_placement
 from ..gcpause import gc_paused
+from ..knobs import MIN_SPLIT_BYTES, SMALL_BYTES, SMALL_PACK, SPLIT_FRACTION
 from ..layout import Box, boxes_disjoint, split_rows
 
 MeshKey = tuple  # (shape, ranks, dim names or None): a mesh as plain, hashable data
 RuleKey = tuple  # (MeshKey, placements as tuples)
 
-SPLIT_FRACTION = 8  # replicated tensors above mean/SPLIT_FRACTION bytes are split into rows
-MIN_SPLIT_BYTES = 1 << 20
-SMALL_BYTES = 64 << 10
-SMALL_PACK = 16 << 20
 """Replicated boxes smaller than SMALL_BYTES (step counters, biases, norms) are packed onto
 their lowest holders, SMALL_PACK bytes per rank, instead of being spread one by one for
 balance: a loading rank then finds them in one or two files' indexes instead of one file

@@ -20,9 +20,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..format.manifest import Manifest
+from ..knobs import SHARE_SLACK
 from ..layout import Box, intersect
-
-SHARE_SLACK = 16 << 20
 
 Request = tuple[str, tuple[int, ...], tuple[int, ...], int]  # key, offsets, lengths, bytes
 
