@@ -7,8 +7,9 @@ command's ``--version`` and ``ls`` never do).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -23,7 +24,7 @@ _WHERE: dict[str, str] = {
                      "MissingKeysError", "ShapeMismatchError", "StorageError", "UnexpectedKeysError",
                      "UnsupportedValueError"], ".errors"),
     "LoadInfo": ".ops.load",
-    "CheckpointConfig": ".manager",
+    "CheckpointConfig": ".manager_config",
     "CheckpointManager": ".manager",
     "SaveInfo": ".ops.save",
     "TrainState": ".state.train_state",
@@ -67,24 +68,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """A public name (importing its module on first use) or a submodule (``shardsafe.tools``)."""
-    where = _WHERE.get(name)
-    if where is not None:
-        value = getattr(importlib.import_module(where, __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    if not name.startswith("_"):
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, __all__, submodules=True)
 
 
 if TYPE_CHECKING:  # the names above, for type checkers and IDEs
@@ -115,7 +99,8 @@ if TYPE_CHECKING:  # the names above, for type checkers and IDEs
         UnexpectedKeysError,
         UnsupportedValueError,
     )
-    from .manager import CheckpointConfig, CheckpointManager
+    from .manager import CheckpointManager
+    from .manager_config import CheckpointConfig
     from .ops.load import LoadInfo
     from .ops.save import SaveInfo
     from .state.train_state import TrainState

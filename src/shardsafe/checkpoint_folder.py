@@ -313,6 +313,19 @@ def clean_killed(parent: Folder, name: str) -> list[str]:
     return parent.commit.clean_killed(parent, name, POLICY)
 
 
+def refuse_referred(parent: Folder, name: str, action: str, *, retired: bool = False) -> None:
+    """Refuse to ``action`` ("replace", "delete", "save onto") checkpoint ``name`` (a retired
+    one with ``retired``) while incremental checkpoints beside it refer to its data files:
+    a CheckpointError naming them (the first five)."""
+    others = referrers(parent, name)
+    if others:
+        listed = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        what = "the retired checkpoint" if retired else "the checkpoint"
+        raise CheckpointError(
+            f"cannot {action} {what} at {parent.where(name)}: incremental checkpoints refer to its data ({listed}); "
+            "delete them first (or make them self-contained with 'shardsafe copy')")
+
+
 def check_target(parent: Folder, name: str, overwrite: bool, ignore: Callable[[str], bool] | None = None) -> None:
     """Refuse a save target that holds a committed checkpoint (unless ``overwrite``) or
     anything that is not a shardsafe checkpoint (entries ``ignore`` accepts aside: where
@@ -326,21 +339,12 @@ def check_target(parent: Folder, name: str, overwrite: bool, ignore: Callable[[s
     if is_committed(parent, name):
         if not overwrite:
             raise CheckpointExistsError(f"a checkpoint already exists at {where}; pass overwrite=True to replace it")
-        others = referrers(parent, name)
-        if others:
-            raise CheckpointError(
-                f"cannot replace the checkpoint at {where}: incremental checkpoints refer to its data "
-                f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); delete them first (or make them "
-                "self-contained with 'shardsafe copy')")
+        refuse_referred(parent, name, "replace")
         return
     if retired_files(parent, name) is not None:
-        others = referrers(parent, name)
-        if not others:  # nothing refers to its files any more: it is garbage
-            prune_retired(parent, name, set())
-            return
-        raise CheckpointError(
-            f"cannot save to {where}: it is a retired checkpoint that keeps data files incremental checkpoints refer "
-            f"to ({', '.join(others[:5])}); delete those first (shardsafe.delete)")
+        refuse_referred(parent, name, "save onto", retired=True)
+        prune_retired(parent, name, set())  # nothing refers to its files any more: it is garbage
+        return
     with parent.open_folder(name) as f:
         names = [n for n in f.names() if ignore is None or not ignore(n)]
         if names:

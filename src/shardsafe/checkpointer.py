@@ -282,14 +282,7 @@ class Checkpointer:
         that is not a shardsafe checkpoint, or one that incremental checkpoints beside it
         refer to, is refused (CheckpointError naming them), never deleted. A retired
         checkpoint (docs/incremental.md) that nothing refers to any more is deleted."""
-        from .checkpoint_folder import (
-            check_target,
-            delete_checkpoint,
-            is_committed,
-            prune_retired,
-            referrers,
-            retired_files,
-        )
+        from .checkpoint_folder import delete_checkpoint, is_committed, prune_retired, refuse_referred, retired_files
 
         backend, location = self.locate(path, storage_options)
         parent_location, name = backend.split(location)
@@ -304,14 +297,10 @@ class Checkpointer:
             retired = not is_committed(parent, name) and retired_files(parent, name) is not None
             if not is_committed(parent, name) and not retired:
                 raise CheckpointError(f"{location} is not a shardsafe checkpoint; refusing to delete it")
-            if retired:  # kept for the data files incremental checkpoints refer to
-                others = referrers(parent, name)
-                if others:
-                    raise CheckpointError(f"{location} is a retired checkpoint: incremental checkpoints refer to its "
-                                          f"data ({', '.join(others[:5])}); delete them first")
+            refuse_referred(parent, name, "delete", retired=retired)
+            if retired:  # kept for the data files incremental checkpoints referred to
                 prune_retired(parent, name, set())
             else:
-                check_target(parent, name, overwrite=True)  # refused while incremental checkpoints refer to it
                 delete_checkpoint(parent, name)
             return True
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import tomllib
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -51,19 +49,15 @@ from .errors import (
     CorruptCheckpointError,
     FormatVersionError,
 )
-from .hints import as_keys, warn_user
+from .hints import warn_user
+from .manager_config import ASYNC_MODES, TORCHTITAN_ONLY, CheckpointConfig, refuse_torchtitan_only  # noqa: F401 (re-exported)
 from .ops.incremental import chain_depth
 from .steps import by_step, parse_step, step_name, width_of
 from .storage.base import Folder
 
 PathLike = str | os.PathLike
-ASYNC_MODES = ("disabled", "async", "async_pinned")
 METRIC_KEY = "shardsafe_metric"
 """Top-level key of a checkpoint that holds the metric reported with ``save(..., metric=)``."""
-# torchtitan settings that need its trainer (model parts, HF state-dict adapter): refused by
-# a plain CheckpointManager, honoured by shardsafe.integrations.torchtitan.
-TORCHTITAN_ONLY = ("initial_load_path", "initial_load_in_hf", "initial_load_in_hf_quantized", "last_save_in_hf",
-                   "create_seed_checkpoint")
 
 
 def step_dir(folder: PathLike, step: int) -> Path | str:
@@ -101,93 +95,6 @@ def _join(folder: PathLike, name: str) -> Path | str:
     if "://" in text:  # a URL: Path would fold "s3://" into "s3:/"
         return text.rstrip("/") + "/" + name
     return Path(text) / name
-
-
-@dataclass
-class CheckpointConfig:
-    """The manager's settings, mirroring torchtitan's ``[checkpoint]`` section.
-
-    ``CheckpointConfig.from_dict(d)`` / ``from_toml(path, section="checkpoint")`` accept
-    every key of torchtitan 0.3.0's section: ``keep_latest_k`` (= keep_last), ``load_step``
-    (-1 = latest), ``last_save_model_only`` / ``export_dtype`` for the final export,
-    ``load_only``, ``enable_first_step_checkpoint``; the keys in :data:`TORCHTITAN_ONLY`
-    (initial loads, HF formats, seed checkpoints) are parsed here but need torchtitan's
-    trainer: :meth:`CheckpointManager.from_config` refuses them when set, naming them, and
-    ``shardsafe.integrations.torchtitan`` honours them. ``keep_best`` / ``metric`` /
-    ``mode`` keep the best checkpoints by a reported metric (shardsafe's own)."""
-
-    folder: str = "checkpoints"
-    enable: bool = True
-    interval: int = 500
-    keep_last: int | None = None
-    keep_every: int | None = None
-    keep_best: int | None = None
-    metric: str = "metric"
-    mode: str = "min"
-    async_mode: str = "disabled"
-    max_staging_bytes: int | None = None
-    load_step: int | None = None
-    exclude_from_loading: list[str] = field(default_factory=list)
-    cast_dtype: bool = False  # load a checkpoint saved in another dtype, converting (shardsafe's own)
-    last_save_model_only: bool = True
-    export_dtype: str | None = None  # None: export in the training dtype
-    load_only: bool = False
-    incremental: bool = False  # shardsafe's own: refer to unchanged chunks of the newest checkpoint
-    full_every: int = 10  # with incremental: every full_every-th save in a chain is a full checkpoint
-    version_skip: bool = False  # with incremental: trust tensors' _version counters (see shardsafe.save)
-    enable_first_step_checkpoint: bool = False
-    initial_load_path: str | None = None
-    initial_load_model_only: bool = True
-    initial_load_in_hf: bool = False
-    initial_load_in_hf_quantized: bool = False
-    last_save_in_hf: bool = False
-    create_seed_checkpoint: bool = False
-
-    _ALIASES = {"keep_latest_k": "keep_last", "enable_checkpoint": "enable"}
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', not {self.mode!r}")
-        if self.keep_best is not None and self.keep_best <= 0:
-            raise ValueError(f"keep_best must be positive (or None), not {self.keep_best}")
-        self.async_mode = {"async_with_pinned_mem": "async_pinned"}.get(self.async_mode, self.async_mode)
-        if self.async_mode not in ASYNC_MODES:
-            raise ValueError(f"async_mode must be one of {ASYNC_MODES}, not {self.async_mode!r}")
-        if self.interval <= 0:
-            raise ValueError(f"interval must be positive, not {self.interval}")
-        if self.full_every < 1:
-            raise ValueError(f"full_every must be at least 1 (1: every save is full), not {self.full_every}")
-        if self.keep_last is not None and self.keep_last <= 0:
-            self.keep_last = None  # torchtitan: 0 keeps everything
-        if self.load_step is not None and self.load_step < 0:
-            self.load_step = None
-        self.exclude_from_loading = list(as_keys(self.exclude_from_loading, "exclude_from_loading") or ())
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CheckpointConfig:
-        """Build from a dict; an unknown key raises ValueError naming it and listing the
-        known names and their aliases."""
-        names = {f.name for f in fields(cls) if not f.name.startswith("_")}
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            name = cls._ALIASES.get(k, k)
-            if name not in names:
-                aliases = ", ".join(f"{a} (= {n})" for a, n in sorted(cls._ALIASES.items()))
-                raise ValueError(f"unknown checkpoint setting {k!r} (known: {', '.join(sorted(names))}; "
-                                 f"aliases: {aliases})")
-            out[name] = v
-        return cls(**out)
-
-    @classmethod
-    def from_toml(cls, path: PathLike, section: str = "checkpoint") -> CheckpointConfig:
-        """Build from the ``[section]`` table of a TOML file."""
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        return cls.from_dict(data.get(section, {}))
-
-    def to_dict(self) -> dict[str, Any]:
-        """The settings as a plain dict (the inverse of ``from_dict``)."""
-        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
 
 
 class CheckpointManager:
@@ -255,12 +162,7 @@ class CheckpointManager:
         naming them (use ``shardsafe.integrations.torchtitan``)."""
         if isinstance(config, dict):
             config = CheckpointConfig.from_dict(config)
-        for name in TORCHTITAN_ONLY:
-            if getattr(config, name):
-                raise ValueError(
-                    f"checkpoint setting {name}={getattr(config, name)!r} needs torchtitan's trainer (model parts, "
-                    "Hugging Face state-dict adapter); a plain CheckpointManager cannot apply it. Use "
-                    "shardsafe.integrations.torchtitan, or unset it.")
+        refuse_torchtitan_only(config)
         mgr = cls(config.folder, interval=config.interval, keep_last=config.keep_last, keep_every=config.keep_every,
                   keep_best=config.keep_best, metric=config.metric, mode=config.mode, enable=config.enable,
                   load_only=config.load_only,

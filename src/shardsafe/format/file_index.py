@@ -21,6 +21,7 @@ from .checksum import checksum
 from .chunk_table import HEX, Chunk, ChunkTable
 from .refs import DIGEST_HEX, check_digests
 from .strict_json import _count, _duplicate, _parse_json, _show
+from .values import TENSOR_TAG
 
 INDEX_FORMAT = "shardsafe-index"
 INDEX_VERSION = (3, 1)
@@ -328,7 +329,7 @@ def _check_values(rank_local: dict[str, Any], local: dict[str, Any]) -> None:
     from .values import decode
 
     def on_ref(tag: str, key: str) -> None:
-        if tag != "$tensor" or key not in local:
+        if tag != TENSOR_TAG or key not in local:
             raise CorruptCheckpointError(f"a rank-local value refers to {tag[1:]} {key!r}, which the index does not "
                                          "hold")
 

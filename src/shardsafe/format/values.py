@@ -314,7 +314,7 @@ def _dict_pairs(payload: Any) -> list[tuple[str | int, Any]]:
 
 def _decode_tagged(tag: str, payload: Any, on_ref: Callable[[str, str], Any] | None, depth: int) -> Any:
     """A tag object at nesting level ``depth``; its payload array (if any) is one deeper."""
-    if tag == "$tensor" or tag == "$rank_local":  # placeholders first: a state's most common tag
+    if tag == TENSOR_TAG or tag == RANK_LOCAL_TAG:  # placeholders first: a state's most common tag
         if on_ref is None or not isinstance(payload, str):
             raise CorruptCheckpointError(f"manifest: unexpected {tag} reference {_short(payload)}")
         return on_ref(tag, payload)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import MissingKeysError
-from ..format.values import container
+from ..format.values import TENSOR_TAG, container
 from .tree import join_key
 
 _DROP = object()
@@ -93,9 +93,9 @@ def check_tree(manifest: Any) -> None:
     from ..format.values import decode
 
     def on_ref(tag: str, key: str) -> None:
-        known = manifest.tensors if tag == "$tensor" else manifest.rank_local
+        known = manifest.tensors if tag == TENSOR_TAG else manifest.rank_local
         if key not in known:
-            what = "tensor" if tag == "$tensor" else "rank-local value"
+            what = "tensor" if tag == TENSOR_TAG else "rank-local value"
             raise CorruptCheckpointError(f"manifest: the value tree refers to {what} {key!r}, which it does not hold")
 
     decode(manifest.tree, on_ref)

@@ -14,7 +14,15 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..errors import UnsupportedValueError
-from ..format.values import MAX_DEPTH, container, encode_dict_key, encode_scalar, nesting_depth
+from ..format.values import (
+    MAX_DEPTH,
+    RANK_LOCAL_TAG,
+    TENSOR_TAG,
+    container,
+    encode_dict_key,
+    encode_scalar,
+    nesting_depth,
+)
 
 
 @runtime_checkable
@@ -119,11 +127,11 @@ def flatten(state: Any, rank: int = 0) -> FlatState:
             flat.tensors[key] = obj
             if local:
                 flat.rank_local_tensors.add(key)
-            return {"$tensor": key}
+            return {TENSOR_TAG: key}
         if isinstance(obj, RankLocal):
             key = claim(parts)
             flat.rank_local[key] = walk(obj.value, [rank_local_key(key, rank)], True, depth + 1)
-            return {"$rank_local": key}
+            return {RANK_LOCAL_TAG: key}
         if is_stateful(obj):
             return walk(obj.state_dict(), parts, local, depth)
         return encode_scalar(obj, join_key(parts))
@@ -179,7 +187,7 @@ def saved_ref(saved: Any) -> tuple[str, str] | None:
     """(tag, key) when a saved node is a tensor or rank-local placeholder."""
     if isinstance(saved, dict) and len(saved) == 1:
         ((tag, key),) = saved.items()
-        if tag in ("$tensor", "$rank_local") and isinstance(key, str):
+        if tag in (TENSOR_TAG, RANK_LOCAL_TAG) and isinstance(key, str):
             return tag, key
     return None
 

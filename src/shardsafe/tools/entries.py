@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..format.manifest import Manifest
-from ..format.values import decode
+from ..format.values import TENSOR_TAG, decode
 from ..state.saved import children
 from ..state.tree import join_key, rank_local_key, saved_ref
 
@@ -63,7 +63,7 @@ def leaves(manifest: Manifest, ranks: Iterable[int] | str | None = "all", inline
              rank: int | None) -> Iterator[Leaf]:
         key, pkey = join_key(keyparts), join_key(plain)
         ref = saved_ref(node)
-        if ref is not None and ref[0] == "$tensor":
+        if ref is not None and ref[0] == TENSOR_TAG:
             yield Leaf("tensor", parts, ref[1], pkey, node, rank)
             return
         if ref is not None:

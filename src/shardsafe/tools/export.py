@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,17 +40,18 @@ import torch
 
 from .. import hf_folder
 from ..checkpointer import Checkpointer
-from ..engine.outputs import OutputFile, SafetensorsOutput, Slot, TorchSaveOutput, tensor_bytes, torch_save_frame
+from ..engine.outputs import SafetensorsOutput, Slot, TorchSaveOutput
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
-from ..format.dtypes import NAME_ITEMSIZE, torch_dtype
+from ..format.dtypes import torch_dtype
 from ..format.manifest import Manifest
-from ..format.values import PICKLE_INT_BOUND, decode
+from ..format.values import PICKLE_INT_BOUND, RANK_LOCAL_TAG, TENSOR_TAG, decode
 from ..gcpause import gc_paused
 from ..hints import as_keys, missing_tensor
 from ..ops.reader import CheckpointReader
 from ..state.saved import children, select, walk
 from ..state.tree import join_key, saved_ref
-from .common import DCP_EMPTY_DICTS, Output, PathLike, UsageError, human_bytes, locate, no_match, parse_size
+from .common import Output, PathLike, UsageError, human_bytes, locate, no_match, parse_size
+from .export_targets import Fetcher, write_dcp, write_file
 from .progress import Progress
 
 FORMATS = ("torch", "safetensors", "hf", "dcp")
@@ -111,7 +110,7 @@ def expand_rank_local(tree: Any, manifest: Manifest, rank: int | None, skipped: 
     (its tensors keep their manifest keys); with ``rank`` None (or a rank that has no
     copy) rank-local values are dropped and their keys added to ``skipped``."""
     ref = saved_ref(tree)
-    if ref is not None and ref[0] == "$rank_local":
+    if ref is not None and ref[0] == RANK_LOCAL_TAG:
         if ref[1] not in manifest.rank_local:
             raise CorruptCheckpointError(
                 f"the state at '{join_key(list(parts)) or '<root>'}' is rank-local value {ref[1]!r}, which the "
@@ -154,7 +153,7 @@ class _Built:
 def _build(node: Any, parts: list[str], manifest: Manifest, dtype: torch.dtype | None, out: _Built) -> Any:
     """Decode the selected tree into a skeleton whose tensors are Slots named by their path."""
     ref = saved_ref(node)
-    if ref is not None and ref[0] == "$tensor":
+    if ref is not None and ref[0] == TENSOR_TAG:
         entry = manifest.tensors.get(ref[1])
         if entry is None:
             raise missing_tensor(manifest, ref[1])
@@ -329,7 +328,7 @@ class _Job:
                 if parts:
                     all_keys.append(join_key(list(parts)))
                 ref = saved_ref(node)
-                if ref is not None and ref[0] == "$rank_local":
+                if ref is not None and ref[0] == RANK_LOCAL_TAG:
                     expand_rank_local(node, manifest, rank, skipped, tuple(parts))  # raises, naming the key
         if tree is _DROP:
             tree = {}
@@ -438,256 +437,24 @@ class _Job:
         target = Output(self.cp, self.out, self.overwrite, "output path")
         try:
             with Progress("export", sum(s.nbytes for s in slots), enabled=self.progress) as bar:
-                fetch = Fetcher(self.reader, bar.advance)
+                fetch = Fetcher(self.reader, read_tensors, BATCH_BYTES, bar.advance)
                 if self.to != "dcp":
                     fetch.plan([slots])  # in the order they are written
                 if self.to == "torch":
-                    _write_file(lambda: TorchSaveOutput(target.parent, target.tmp, skeleton), slots, fetch)
+                    write_file(lambda: TorchSaveOutput(target.parent, target.tmp, skeleton), slots, fetch)
                     report.files = [target.name]
                 elif self.to == "safetensors":
-                    _write_file(lambda: SafetensorsOutput(target.parent, target.tmp, slots), slots, fetch)
+                    write_file(lambda: SafetensorsOutput(target.parent, target.tmp, slots), slots, fetch)
                     report.files = [target.name]
                 elif self.to == "hf":
                     with target.folder() as folder:
                         report.files = hf_folder.write_weights_and_configs(
                             folder, slots, fetch, max_shard_size=max_bytes, config=cfg, generation_config=gen)
                 else:
-                    report.files = _write_dcp(target, skeleton, fetch)
+                    report.files = write_dcp(target, skeleton, fetch)
             target.publish()
         except BaseException:
             target.abort()
             raise
         finally:
             target.close()
-
-
-
-class Fetcher:
-    """Hands out each slot's tensor (converted to the slot's dtype), reading the slots of a
-    planned batch together on the first request for one of them and keeping the others
-    until they are asked for; a request outside the current batch drops what is left of it,
-    so at most one batch is held: at most ``BATCH_BYTES`` (a larger tensor alone)."""
-
-    def __init__(self, reader: CheckpointReader, advance: Callable[[int], None] | None = None) -> None:
-        self.reader = reader
-        self.advance = advance
-        self._batch_of: dict[int, list[Slot]] = {}
-        self._ready: dict[int, torch.Tensor] = {}
-        self._given: set[int] = set()
-
-    def held_bytes(self, s: Slot) -> int:
-        """What slot ``s`` holds while it waits in a batch: its saved bytes (or its converted
-        bytes, when larger)."""
-        entry = self.reader.manifest.tensors[s.key]
-        return max(s.nbytes, s.nbytes // max(1, s.dtype.itemsize) * NAME_ITEMSIZE.get(entry.dtype, 1))
-
-    def plan(self, groups: list[list[Slot]]) -> None:
-        """Read the slots of each group together, in consecutive batches of at most
-        ``BATCH_BYTES`` held (a larger tensor alone)."""
-        for group in groups:
-            batch: list[Slot] = []
-            size = 0
-            for s in group:
-                n = self.held_bytes(s)
-                if batch and size + n > BATCH_BYTES:
-                    batch, size = [], 0
-                batch.append(s)
-                size += n
-                self._batch_of[id(s)] = batch
-
-    def __call__(self, s: Slot) -> torch.Tensor:
-        t = self._ready.pop(id(s), None)
-        if t is None:
-            self._ready.clear()
-            batch = [b for b in self._batch_of.get(id(s), [s]) if id(b) not in self._given]
-            if not any(b is s for b in batch):
-                batch = [s]  # asked for again: read it alone
-            tensors = read_tensors(self.reader, [b.key for b in batch])
-            self._ready = {id(b): x for b, x in zip(batch, tensors)}
-            t = self._ready.pop(id(s))
-        self._given.add(id(s))
-        if t.dtype != s.dtype:
-            t = t.to(s.dtype)
-        if self.advance is not None:
-            self.advance(s.nbytes)
-        return t
-
-
-def _write_file(open_output: Callable[[], OutputFile], slots: list[Slot],
-                fetch: Callable[[Slot], torch.Tensor]) -> None:
-    """Open one output file, read each slot's tensor (converted if asked) and write it."""
-    out = open_output()
-    try:
-        for s in slots:
-            t = fetch(s)
-            out.write(s, t)
-            del t
-        out.close()
-    except BaseException:
-        out.abort()
-        raise
-
-
-def dcp_empty_dicts(state: dict[Any, Any]) -> list[tuple[str | int, ...]]:
-    """The DCP object paths (``str`` keys, ``int`` list positions) of the empty dicts that
-    ``torch.distributed.checkpoint`` would drop from ``state``: those its traversal reaches
-    (not inside a list it pickles whole, which keeps them)."""
-
-    def terminal(v: Any) -> bool:  # as torch.distributed.checkpoint._traverse: pickled whole
-        if isinstance(v, dict):
-            return False
-        if not isinstance(v, list):
-            return True
-        return all(not isinstance(e, torch.Tensor) and (not isinstance(e, (dict, list)) or terminal(e)) for e in v)
-
-    out: list[tuple[str | int, ...]] = []
-
-    def visit(path: tuple[str | int, ...], v: Any) -> None:
-        if isinstance(v, dict):
-            if not v and path:
-                out.append(path)
-            for k, x in v.items():
-                visit(path + (str(k),), x)
-        elif not terminal(v) and isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
-                visit(path + (i,), x)
-
-    visit((), state)
-    return out
-
-
-def dcp_groups(items: list[Any], batch_bytes: int) -> list[list[Any]]:
-    """DCP write items in consecutive groups of at most ``batch_bytes`` tensor bytes (a
-    larger tensor alone; plain values, already in memory, count nothing)."""
-    groups: list[list[Any]] = []
-    size = 0
-    for item in items:
-        n = 0
-        if item.tensor_data is not None:
-            n = item.tensor_data.properties.dtype.itemsize
-            for d in item.tensor_data.size:
-                n *= d
-        if groups and size + n <= batch_bytes:
-            groups[-1].append(item)
-            size += n
-        else:
-            groups.append([item])
-            size = n
-    return groups
-
-
-def _dcp_file(folder: Any, name: str, items: list[Any], planner: Any) -> list[Any]:
-    """Write DCP write items ``items`` as file ``name`` of ``folder`` (fsync'd), each at its
-    offset as DCP's ``FileSystemWriter`` writes it (a plain value: the bytes DCP's planner
-    pickled; a tensor: the ``torch.save`` stream of it, made from a cached frame); returns
-    DCP's ``WriteResult`` for each, which its ``.metadata`` records."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.planner import WriteItemType
-    from torch.distributed.checkpoint.storage import WriteResult
-
-    results = []
-    parts: list[Any] = []
-    pos = 0
-    for item in items:
-        data = planner.resolve_data(item)
-        if item.type == WriteItemType.BYTE_IO:
-            pieces = [data.getbuffer()]
-        else:
-            if data.requires_grad or not (data.is_cpu and data.is_contiguous()):
-                data = data.detach().cpu().contiguous()
-            before, after = torch_save_frame(data.dtype, tuple(data.shape))
-            pieces = [memoryview(before), tensor_bytes(data), memoryview(after)]
-        n = sum(len(x) for x in pieces)
-        results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=_StorageInfo(name, pos, n)))
-        parts.extend(x for x in pieces if len(x))
-        pos += n
-    handle = folder.create(name)
-    try:
-        handle.write(parts, 0)
-        handle.finish(True)
-    except BaseException:
-        handle.abort()
-        raise
-    return results
-
-
-def _write_dcp(target: Output, skeleton: Any, fetch: Fetcher) -> list[str]:
-    """Write ``skeleton`` (Slots for tensors) as a DCP folder at the output's temporary
-    path with ``torch.distributed.checkpoint.save`` (no process group): DCP plans from
-    meta-tensor stand-ins; its ``FileSystemWriter`` writes one file per group of
-    consecutive items (``dcp_groups``), each fsync'd, and the tensors of a group are read
-    together when DCP asks for the first of them."""
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.futures import Future
-
-    if not isinstance(skeleton, dict):
-        raise UsageError("--to dcp needs a dict at the top of the exported state (choose --strip accordingly)")
-    slots: dict[int, Slot] = {}
-
-    def stand_in(node: Any) -> Any:
-        if isinstance(node, Slot):
-            t = torch.empty(node.shape, dtype=node.dtype, device="meta")
-            slots[id(t)] = node
-            return t
-        if isinstance(node, dict):
-            return {k: stand_in(v) for k, v in node.items()}
-        if isinstance(node, tuple) and any(isinstance(v, (Slot, dict, list, tuple)) for v in node):
-            return [stand_in(v) for v in node]  # DCP pickles tuples whole: walk it as a list
-        if isinstance(node, (list, tuple)):
-            return type(node)(stand_in(v) for v in node)
-        return node
-
-    state = stand_in(skeleton)
-    empties = dcp_empty_dicts(state)
-
-    class _Planner(DefaultSavePlanner):
-        def resolve_data(self, write_item: Any) -> Any:
-            obj = self.lookup_object(write_item.index)
-            slot = slots.get(id(obj))
-            return super().resolve_data(write_item) if slot is None else fetch(slot)
-
-        def create_global_plan(self, all_plans: Any) -> Any:
-            plans, metadata = super().create_global_plan(all_plans)
-            if empties:  # DCP keeps no empty dict: their paths ride in planner_data (import restores them)
-                metadata.planner_data[DCP_EMPTY_DICTS] = empties
-            return plans, metadata
-
-    class _Writer(FileSystemWriter):
-        """DCP's writer with its file layout (``.metadata`` written by DCP; each item a
-        ``torch.save`` stream, or DCP's pickled bytes, at an offset of a ``.distcp`` file),
-        but one file per group of items (``dcp_groups``), fsync'd, its tensors read together,
-        and each tensor's ``torch.save`` stream made from a cached frame
-        (:func:`~shardsafe.engine.outputs.torch_save_frame`) instead of one ``torch.save``
-        call per tensor (~0.1 ms each)."""
-
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            results: list[Any] = []
-            prefix = plan.storage_data.prefix
-            with target.folder() as folder:
-                for i, items in enumerate(dcp_groups(plan.items, BATCH_BYTES)):
-                    fetch.plan([[slots[id(obj)] for obj in (planner.lookup_object(item.index) for item in items)
-                                 if id(obj) in slots]])
-                    results.extend(_dcp_file(folder, f"{prefix}{i}.distcp", items, planner))
-            done: Future = Future()
-            done.set_result(results)
-            return done
-
-    with target.folder():
-        pass  # created here, filled by DCP's writer
-    writer = _Writer(target.local_path(), sync_files=True)
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "no process group: saving on this rank alone"
-            dcp_save(state, storage_writer=writer, planner=_Planner(), no_dist=True)
-    except CheckpointException as exc:  # DCP wraps what its writer raised: a corrupt chunk is ours to report
-        inner = [e for e, _ in exc.failures.values()]
-        if len(inner) == 1 and isinstance(inner[0], (CheckpointError, OSError, KeyboardInterrupt)):
-            raise inner[0] from None
-        raise
-    with target.folder() as folder:
-        folder.sync()
-        return sorted(folder.names())

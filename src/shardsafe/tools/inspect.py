@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckpointError
 from ..format.dtypes import name_itemsize
 from ..format.manifest import Manifest, TensorEntry
+from ..format.values import RANK_LOCAL_TAG
 from .common import PathLike, human_bytes, locate
 from .entries import Leaf, brief, leaves
 
@@ -125,7 +126,7 @@ def _row(leaf: Leaf, manifest: Manifest) -> Row:
         return Row(entry.kind, leaf.parts, leaf.key, entry.dtype, list(entry.shape), tensor_bytes(entry),
                    entry.chunk_count, ranks, held_in=_holders(manifest, entry) if manifest.refs else None)
     if leaf.kind == "rank_local":
-        per_rank = manifest.rank_local.get(leaf.node["$rank_local"]) or []
+        per_rank = manifest.rank_local.get(leaf.node[RANK_LOCAL_TAG]) or []
         n = sum(1 for v in per_rank if v is not None)
         return Row("rank-local value", leaf.parts, leaf.key,
                    value=f"one copy per saving rank ({n} rank{'s' if n != 1 else ''})")
