@@ -33,7 +33,10 @@ from obstore.store import AzureStore
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from .base import WriteHandle
 from .options import Spellings, read_options
-from .s3 import BucketNotFoundError, S3Backend, S3Folder, _bucket_error, _bytes_view, _reason, _storage_error
+from .s3.backend import S3Backend
+from .s3.errors import BucketNotFoundError, _bucket_error, _reason, _storage_error
+from .s3.folder import S3Folder
+from .s3.reads import _bytes_view
 
 __all__ = ["AzureBackend", "AzureOptions", "ContainerNotFoundError", "parse_options"]
 
