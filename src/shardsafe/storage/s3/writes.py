@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from botocore.exceptions import ClientError
 
+from ... import workers
 from ...budget import HostMemory, Lease
 from ...errors import StorageError
 from ..base import WriteHandle
@@ -223,7 +224,7 @@ class S3WriteHandle(WriteHandle):
                 up = _Uploads(self.folder, self.name)
                 up.start()
                 self._upload = up
-                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="s3-part")
+                self._pool = workers.pool(self.concurrency, "s3-part")
             return self._upload
 
     def _send(self, index: int, part: _Part, n: int) -> None:
