@@ -31,9 +31,10 @@ def test_base_surface_is_narrow():
 
 
 def _backend_classes() -> set[str]:
-    """Names of the Backend and Folder classes defined in storage/ (and the commit strategies')."""
+    """Names of the Backend and Folder classes defined in storage/ and its packages (and the commit
+    strategies')."""
     names = set()
-    for path in STORAGE.glob("*.py"):
+    for path in STORAGE.rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ClassDef) and re.search(r"(Backend|Folder|Commit)$", node.name):
                 names.add(node.name)

@@ -130,7 +130,7 @@ class Checkpointer:
         """The backend for ``path`` and the location there (unsupported URLs raise).
         ``storage_options`` (for object-store URLs) override this Checkpointer's for this
         call; a backend is built once per distinct set of options and kept. A backend that
-        leases host buffers of its own (``use_memory``: S3 parts) gets this Checkpointer's
+        leases host buffers of its own (``use_memory``: S3 parts, Azure blocks) gets this Checkpointer's
         budget, the one every staging and read buffer comes from."""
         if not storage_options:
             backend, location = resolve_location(path, self.backends, self.storage_options)
@@ -141,9 +141,7 @@ class Checkpointer:
                 if backends.get(scheme) is self.backends.get(scheme):
                     backends.pop(scheme, None)  # built anew with these options
             backend, location = resolve_location(path, backends, {**self.storage_options, **storage_options})
-        use_memory = getattr(backend, "use_memory", None)
-        if use_memory is not None:
-            use_memory(self.memory)
+        backend.use_memory(self.memory)
         return backend, location
 
     def _check_open(self) -> None:

@@ -30,10 +30,16 @@ import obstore
 from obstore import exceptions as obx
 from obstore.store import AzureStore
 
+from .. import workers
+from ..budget import HostMemory
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from .base import WriteHandle
 from .options import Spellings, read_options
-from .s3 import BucketNotFoundError, S3Backend, S3Folder, _bucket_error, _bytes_view, _reason, _storage_error
+from .s3.backend import S3Backend
+from .s3.errors import BucketNotFoundError, _bucket_error, _reason, _storage_error
+from .s3.folder import S3Folder
+from .s3.reads import _bytes_view
+from .s3.writes import _Part
 
 __all__ = ["AzureBackend", "AzureOptions", "ContainerNotFoundError", "parse_options"]
 
@@ -156,13 +162,16 @@ class AzureBackend(S3Backend):
     """``az://container/prefix`` locations. ``options`` is a ``storage_options`` mapping
     (see :func:`parse_options`); what it leaves out comes from the usual Azure environment
     variables. ``retries`` counts every request retried after a transient failure (block
-    uploads aside: obstore retries those itself)."""
+    uploads aside: obstore retries those itself). ``memory``: the host-memory budget block
+    buffers are leased from, as S3's parts (:meth:`use_memory`)."""
 
     scheme = "az"
     missing_words = ("ContainerNotFound",)
 
-    def __init__(self, options: dict[str, Any] | None = None) -> None:  # noqa: D107 - see the class
+    def __init__(self, options: dict[str, Any] | None = None,  # noqa: D107 - see the class
+                 memory: HostMemory | None = None) -> None:
         self.opts = parse_options(options)  # type: ignore[assignment]
+        self.memory = memory if memory is not None else HostMemory()
         self.retries = 0
         self._lock = threading.Lock()
         self._buckets: dict[str, Any] = {}
@@ -191,46 +200,30 @@ class AzureFolder(S3Folder):
         return AzureWriteHandle(self, name)
 
 
-class _Block:
-    """The buffer of one block and the byte ranges of it written so far."""
-
-    __slots__ = ("buf", "ranges")
-
-    def __init__(self, size: int) -> None:
-        self.buf = bytearray(size)
-        self.ranges: list[tuple[int, int]] = []
-
-    def add(self, a: int, b: int) -> int:
-        """Mark ``[a, b)`` written; the number of bytes written now."""
-        merged = []
-        for lo, hi in self.ranges:
-            if hi < a or lo > b:
-                merged.append((lo, hi))
-            else:
-                a, b = min(a, lo), max(b, hi)
-        merged.append((a, b))
-        self.ranges = sorted(merged)
-        return sum(hi - lo for lo, hi in self.ranges)
-
-
 class AzureWriteHandle(WriteHandle):
     """A new blob written by positional writes from any number of threads: bytes land in
     blocks of ``part_size``; complete blocks stream, in order, to obstore's multipart
     writer on a background thread; ``finish`` sends the rest (a blob within one block:
-    one PUT)."""
+    one PUT). Block buffers are leased from the backend's
+    :class:`~shardsafe.budget.HostMemory` (as S3's parts: without waiting, kept for the
+    next blocks) and given back once obstore no longer holds them: obstore sends a block
+    without copying it, holding a view of its buffer until the block is uploaded."""
 
     def __init__(self, folder: AzureFolder, name: str) -> None:
         self.folder, self.name = folder, name
         self.where, self.key = folder.where(name), folder.key(name)
         opts = folder.backend.opts
         self.part_size, self.concurrency = opts.part_size, opts.max_concurrency
-        self._lock = threading.Lock()  # blocks and sizes
+        self.memory: HostMemory = folder.backend.memory
+        self._lock = threading.Lock()  # blocks, sizes and leases
         self._order = threading.Lock()  # hands blocks over in order
-        self._blocks: dict[int, _Block] = {}
-        self._ready: dict[int, memoryview] = {}
+        self._blocks: dict[int, _Part] = {}  # being filled
+        self._ready: dict[int, tuple[_Part, int]] = {}  # complete (block, bytes), not yet handed over
+        self._taken: list[tuple[_Part, memoryview]] = []  # handed to obstore, its buffer not yet back
+        self._current: tuple[_Part, memoryview] | None = None  # yielded to obstore, not yet taken
         self._next = 0  # the next block to hand over
         self._size = 0
-        self._q: queue.Queue[memoryview | BaseException | None] = queue.Queue(maxsize=2)
+        self._q: queue.Queue[tuple[_Part, memoryview] | BaseException | None] = queue.Queue(maxsize=2)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._state = "open"  # open -> finished | aborted
@@ -244,7 +237,11 @@ class AzureWriteHandle(WriteHandle):
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            self._current = item  # obstore may not hold a view of it yet: not released until it asks again
+            yield item[1]
+            with self._lock:  # obstore asks for the next block: it holds this one (or is done with it)
+                self._taken.append(item)
+                self._current = None
 
     def _run(self) -> None:
         try:
@@ -254,35 +251,73 @@ class AzureWriteHandle(WriteHandle):
             self._error = exc
             with contextlib.suppress(queue.Empty):
                 while True:
-                    self._q.get_nowait()
+                    item = self._q.get_nowait()
+                    if isinstance(item, tuple):
+                        item[0].release()
 
-    def _push(self, item: memoryview | BaseException | None) -> None:
+    def _push(self, item: tuple[_Part, memoryview] | BaseException | None) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"az-upload-{self.name}", daemon=True)
-            self._thread.start()
+            self._thread = workers.start_thread(self._run, "az-upload")
         while self._thread.is_alive():
             try:
                 self._q.put(item, timeout=0.1)
                 return
             except queue.Full:
                 continue
+        if isinstance(item, tuple):  # the upload ended: nobody takes this block
+            item[0].release()
 
     def _hand_over(self) -> None:
-        """Send the complete blocks that are next in order."""
+        """Send the complete blocks that are next in order; give back the buffers obstore
+        is done with."""
         with self._order:
             while True:
                 with self._lock:
-                    data = self._ready.pop(self._next, None)
-                    if data is None:
-                        return
+                    ready = self._ready.pop(self._next, None)
+                    if ready is None:
+                        break
                     self._next += 1
-                self._push(data)
+                part, n = ready
+                assert part.buf is not None
+                self._push((part, part.buf[:n]))
+        self._give_back()
+
+    def _give_back(self, all_of_them: bool = False) -> None:
+        """Release the leases of the blocks obstore no longer holds (a view of a buffer it
+        still holds cannot be released); ``all_of_them`` once the upload has ended."""
+        with self._lock:
+            taken, self._taken = self._taken, []
+        kept = []
+        for part, view in taken:
+            try:
+                view.release()
+            except BufferError:
+                if not all_of_them:
+                    kept.append((part, view))
+                    continue
+            part.release()
+        if kept:
+            with self._lock:
+                self._taken[:0] = kept
+
+    def _release_all(self) -> None:
+        """Give every buffer back to the budget (the upload thread has ended)."""
+        self._give_back(all_of_them=True)
+        with self._lock:
+            parts = list(self._blocks.values()) + [p for p, _ in self._ready.values()]
+            if self._current is not None:
+                parts.append(self._current[0])
+                self._current = None
+            self._blocks.clear()
+            self._ready.clear()
+        for part in parts:
+            part.release()
 
     def _check(self) -> None:
         if self._error is not None:
             raise _storage_error(self._error, "upload", self.where)
 
-    def _block(self, index: int) -> _Block:
+    def _block(self, index: int) -> tuple[_Part, memoryview]:
         if self._state != "open":
             raise StorageError(f"cannot write {self.where}: the file is {self._state}", errno.EBADF, self.where)
         if index < self._next or index in self._ready:
@@ -291,7 +326,11 @@ class AzureWriteHandle(WriteHandle):
         if index >= MAX_BLOCKS:
             raise StorageError(f"cannot write {self.where}: more than {MAX_BLOCKS} blocks of {self.part_size} "
                                "bytes (raise the part_size storage option)", errno.EFBIG, self.where)
-        return self._blocks.setdefault(index, _Block(self.part_size))
+        part = self._blocks.get(index)
+        if part is None:
+            part = self._blocks[index] = _Part(self.memory, self.part_size)
+        assert part.buf is not None
+        return part, part.buf
 
     # -- WriteHandle ------------------------------------------------------------------------
     def write(self, buffers: Sequence[memoryview], offset: int) -> None:
@@ -305,13 +344,13 @@ class AzureWriteHandle(WriteHandle):
                 index, off = divmod(pos, ps)
                 m = min(ps - off, n - i)
                 with self._lock:
-                    block = self._block(index)
-                block.buf[off: off + m] = view[i: i + m]
+                    block, dest = self._block(index)
+                dest[off: off + m] = view[i: i + m]
                 with self._lock:
                     self._size = max(self._size, pos + m)
                     if block.add(off, off + m) == ps and self._blocks.get(index) is block:
                         del self._blocks[index]
-                        self._ready[index] = memoryview(block.buf)
+                        self._ready[index] = (block, ps)
                 pos += m
                 i += m
         self._hand_over()
@@ -326,17 +365,12 @@ class AzureWriteHandle(WriteHandle):
             self._check()
             size = self._size
             if self._thread is None and not self._ready and size <= self.part_size:
-                block = self._blocks.pop(0, None)
-                self.folder.put(self.name, memoryview(block.buf)[:size] if block else memoryview(b""))
+                block = self._blocks.get(0)
+                if block is not None and block.buf is not None:
+                    block.zero_gaps(size)
+                self.folder.put(self.name, block.buf[:size] if block and block.buf else memoryview(b""))
             else:
-                last = (size - 1) // self.part_size
-                with self._lock:  # holes read as zeros, as in a sparse file
-                    for index in range(self._next, last + 1):
-                        if index not in self._ready:
-                            block = self._blocks.pop(index, None) or _Block(self.part_size)
-                            n = min(self.part_size, size - index * self.part_size)
-                            self._ready[index] = memoryview(block.buf)[:n]
-                self._hand_over()
+                self._send_rest(size)
                 self._push(None)
                 assert self._thread is not None
                 self._thread.join()
@@ -345,6 +379,22 @@ class AzureWriteHandle(WriteHandle):
         except BaseException:
             self.abort()
             raise
+        finally:
+            if self._thread is None or not self._thread.is_alive():
+                self._release_all()
+
+    def _send_rest(self, size: int) -> None:
+        """Queue every block not yet sent, up to ``size`` (holes read as zeros, as in a
+        sparse file), and hand them over."""
+        last = (size - 1) // self.part_size
+        with self._lock:
+            for index in range(self._next, last + 1):
+                if index not in self._ready:
+                    block = self._blocks.pop(index, None) or _Part(self.memory, self.part_size)
+                    n = min(self.part_size, size - index * self.part_size)
+                    block.zero_gaps(n)
+                    self._ready[index] = (block, n)
+        self._hand_over()
 
     def abort(self) -> None:
         """Stop the upload and remove anything written (idempotent; never raises)."""
@@ -358,5 +408,5 @@ class AzureWriteHandle(WriteHandle):
                 self._thread.join()
             if state == "finished" or self._finishing:
                 self.folder.remove(self.name)
-        self._blocks.clear()
-        self._ready.clear()
+        if self._thread is None or not self._thread.is_alive():
+            self._release_all()

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 
 if TYPE_CHECKING:
+    from ..budget import HostMemory
     from .commit import Commit
 
 Kind = Literal["file", "dir", "other"]
@@ -236,6 +237,11 @@ class Backend(ABC):
     def open(self, location: str, create: bool = False) -> Folder:
         """The folder at ``location`` (created, with its parents, when ``create``);
         CheckpointNotFoundError when it does not exist."""
+
+    def use_memory(self, memory: HostMemory) -> None:  # noqa: B027 - a default no-op, not abstract
+        """Lease the host buffers this backend keeps of its own (an object store's upload
+        parts and blocks) from ``memory``, the Checkpointer's one budget, from now on. The
+        default does nothing: a backend without such buffers has nothing to lease."""
 
     def split(self, location: str) -> tuple[str, str]:
         """(parent location, last name) of ``location``, normalized (``/``-separated)."""

@@ -16,10 +16,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .base import Backend, Entry, Folder, ReadHandle, StorageError, WriteHandle
 from .commit import IN_PLACE, Commit, Lock, Renaming
 from .local import LocalBackend, storage_error
+
+if TYPE_CHECKING:
+    from ..budget import HostMemory
 
 
 @dataclass
@@ -95,6 +99,10 @@ class FaultyBackend(Backend):
     # -- Backend ----------------------------------------------------------------------
     def open(self, location: str, create: bool = False) -> Folder:
         return FaultyFolder(self, self.inner.open(location, create))
+
+    def use_memory(self, memory: HostMemory) -> None:
+        """The wrapped backend's buffers come from ``memory``."""
+        self.inner.use_memory(memory)
 
     def split(self, location: str) -> tuple[str, str]:
         return self.inner.split(location)

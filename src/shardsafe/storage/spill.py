@@ -16,8 +16,8 @@ import os
 import tempfile
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
+from .. import workers
 from ..errors import StorageError
 from .base import ReadHandle
 
@@ -133,7 +133,7 @@ def prefetch(handles: dict[int, SpilledHandle], ranges: dict[int, list[tuple[int
         for f, lo, hi in jobs:
             handles[f].fetch(lo, hi)
     else:
-        with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="shardsafe-fetch") as pool:
+        with workers.pool(min(threads, len(jobs)), "fetch") as pool:
             for fut in [pool.submit(handles[f].fetch, lo, hi) for f, lo, hi in jobs]:
                 fut.result()
     return sum(hi - lo for _, lo, hi in jobs)
