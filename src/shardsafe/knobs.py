@@ -103,5 +103,16 @@ INDEX_THREADS = _knob("INDEX_THREADS", 16, "file indexes fetched at once from a 
 FETCH_THREADS = _knob("FETCH_THREADS", 8, "ranged reads in flight at once from a remote backend (at least "
                       "the read threads)")
 STREAM_PIECE = _knob("STREAM_PIECE", 4 * MiB, "a ranged GET is copied into its destination in pieces of this size")
+SPILL_MERGE_GAP = _knob("SPILL_MERGE_GAP", 1 * MiB, "remote ranges closer than this are fetched as one request "
+                        "(the gap is read too)", minimum=0)
+SPILL_REQUEST_BYTES = _knob("SPILL_REQUEST_BYTES", 32 * MiB, "one remote request fetches at most this much "
+                            "(parallelism within a file)", minimum=64 * KiB)
+SPILL_PIECE = _knob("SPILL_PIECE", 2 * MiB, "bytes held in memory per remote request while they are written to "
+                    "the spill", minimum=4 * KiB)
 STALE_AFTER_S = _knob("STALE_AFTER_S", 6 * 3600, "seconds after which a leftover temp folder counts as abandoned "
                       "where the filesystem has no locks")
+
+# ---- tools
+EXPORT_BATCH = _knob("EXPORT_BATCH", 16 * MiB, "export reads tensors in batches of about this many bytes")
+COPY_WINDOW = _knob("COPY_WINDOW", 8 * MiB, "shardsafe copy moves a file this many bytes at a time")
+DIFF_SLICE = _knob("DIFF_SLICE", 4 * MiB, "diff compares tensors this many bytes at a time")

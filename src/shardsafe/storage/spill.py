@@ -19,11 +19,10 @@ from collections.abc import Sequence
 
 from .. import workers
 from ..errors import StorageError
+from ..knobs import SPILL_MERGE_GAP as MERGE_GAP
+from ..knobs import SPILL_PIECE as PIECE
+from ..knobs import SPILL_REQUEST_BYTES as REQUEST_BYTES
 from .base import ReadHandle
-
-MERGE_GAP = 1 << 20  # ranges closer than this are fetched as one request (the gap is read too)
-REQUEST_BYTES = 32 << 20  # one request fetches at most this much (parallelism within a file)
-PIECE = 2 << 20  # bytes held in memory per request while they are written to the spill
 
 
 def merge_ranges(ranges: Sequence[tuple[int, int]], gap: int = MERGE_GAP,

@@ -28,11 +28,10 @@ from ..format.checksum import checksum
 from ..format.file_index import data_name, index_name
 from ..format.manifest import FileEntry, Manifest
 from ..format.refs import RefFile
+from ..knobs import COPY_WINDOW as WINDOW
 from ..ops.load import block_size
 from ..plan.load_plan import BlockCheck, chunk_checks
 from .common import PathLike, human_bytes
-
-WINDOW = 8 << 20
 
 
 @dataclass

@@ -19,11 +19,10 @@ import torch
 from ..checkpointer import Checkpointer
 from ..format.manifest import Manifest
 from ..hints import as_keys
+from ..knobs import DIFF_SLICE as SLICE
 from .common import PathLike, check_prefixes_used, matches
 from .entries import Leaf, brief, leaves
 from .progress import Progress
-
-SLICE = 1 << 22
 
 
 @dataclass

@@ -47,6 +47,7 @@ from ..format.manifest import Manifest
 from ..format.values import PICKLE_INT_BOUND, RANK_LOCAL_TAG, TENSOR_TAG, decode
 from ..gcpause import gc_paused
 from ..hints import as_keys, missing_tensor
+from ..knobs import EXPORT_BATCH
 from ..ops.reader import CheckpointReader
 from ..state.saved import children, select, walk
 from ..state.tree import join_key, saved_ref
@@ -58,9 +59,9 @@ FORMATS = ("torch", "safetensors", "hf", "dcp")
 CONVERTIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 INDEX_NAME = hf_folder.INDEX_NAME
-BATCH_BYTES = 16 << 20
+BATCH_BYTES = EXPORT_BATCH
 """Consecutive small tensors are read (and, for ``dcp``, written to one file) together, up to
-this many bytes per batch; a larger tensor is a batch of its own."""
+this many bytes per batch; a larger tensor is a batch of its own (knobs.EXPORT_BATCH)."""
 _DROP = object()
 
 
