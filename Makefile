@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed .azurite/.installed
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 # the Ray Train tests alone (a local Ray cluster: about 1 minute on 2 idle cores, 3-4 on busy ones); make test runs them too
 test-ray: install
