@@ -84,7 +84,9 @@ class FaultProxy:
     server handles it, the client gets a reset); ``fail_next(n, mode)`` fails the next
     ``n`` requests. ``only`` (a substring of the request line, e.g. ``"PUT"`` or
     ``"uploadId"``) limits failures to matching requests. ``seen`` / ``failed`` count
-    requests, ``bytes_up`` / ``bytes_down`` the bytes relayed each way."""
+    requests, ``bytes_up`` / ``bytes_down`` the bytes relayed each way. ``strip_range``:
+    the Range header is dropped from GETs, so the server answers 200 with the whole object
+    (as rclone's ``serve s3`` does for a ranged GET)."""
 
     def __init__(self, upstream_port: int, rate: float = 0.0, modes: tuple[str, ...] = ("503", "reset"),
                  seed: int = 0) -> None:
@@ -92,6 +94,7 @@ class FaultProxy:
         self.rate = rate
         self.modes = modes
         self.only: str | None = None
+        self.strip_range = False
         self.rng = random.Random(seed)
         self.forced: list[str] = []
         self.seen = 0
@@ -171,6 +174,8 @@ class FaultProxy:
                 _reset(conn)
                 return
             with socket.create_connection(self.upstream, timeout=60) as up:
+                if self.strip_range:
+                    head = _drop_field(head, b"range")
                 request = _close_after(head) + body
                 up.sendall(request)
                 with self._lock:
@@ -217,6 +222,12 @@ def _drain(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         while sock.recv(1 << 20):
             pass
+
+
+def _drop_field(head: bytes, name: bytes) -> bytes:
+    """The request head without header field ``name`` (lower case)."""
+    lines = [x for x in head.split(b"\r\n") if not x.lower().startswith(name + b":")]
+    return b"\r\n".join(lines)
 
 
 def _close_after(head: bytes) -> bytes:

@@ -82,7 +82,9 @@ class SpilledHandle(ReadHandle):
 
         try:
             self.remote.stream_to(lo, hi, sink, PIECE)
-        except OSError as exc:
+        except StorageError:
+            raise  # the remote read failed: its own error names the object and the cause
+        except OSError as exc:  # writing the spill failed
             raise StorageError(f"cannot spill {self.name} to local disk: {exc.strerror or exc}", exc.errno or 0,
                                self.name) from exc
         with self._lock:

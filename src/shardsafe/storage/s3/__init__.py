@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from .backend import S3Backend
 from .config import MAX_PARTS, MIN_PART, SPELLINGS, S3Options, parse_options
-from .errors import BucketNotFoundError
+from .errors import BucketNotFoundError, RangeNotSupportedError
 from .folder import S3Folder
 from .reads import S3ReadHandle
 from .writes import S3WriteHandle
 
-__all__ = ["MAX_PARTS", "MIN_PART", "SPELLINGS", "BucketNotFoundError", "S3Backend", "S3Folder", "S3Options",
-           "S3ReadHandle", "S3WriteHandle", "parse_options"]
+__all__ = ["MAX_PARTS", "MIN_PART", "SPELLINGS", "BucketNotFoundError", "RangeNotSupportedError", "S3Backend",
+           "S3Folder", "S3Options", "S3ReadHandle", "S3WriteHandle", "parse_options"]

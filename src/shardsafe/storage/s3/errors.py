@@ -104,3 +104,21 @@ def _bucket_error(bucket: str, message: str) -> BucketNotFoundError:
     CheckpointNotFoundError.__init__(err, message)
     err.bucket = bucket
     return err
+
+
+class RangeNotSupportedError(StorageError):
+    """The server answered a ranged GET with the whole object (HTTP 200, not 206 Partial
+    Content), as rclone's ``serve s3`` does: it cannot serve a load, which reads byte
+    ranges. ``filename`` names the object; the message names the range asked for."""
+
+
+def _whole_object_answer(exc: BaseException) -> bool:
+    """True when ``exc`` is obstore's error for a 200 answer to a ranged GET."""
+    return isinstance(exc, obx.BaseError) and ("non-partial response" in str(exc) or "NotPartial" in str(exc))
+
+
+def _range_not_supported(where: str, lo: int, hi: int) -> RangeNotSupportedError:
+    return RangeNotSupportedError(
+        f"cannot read bytes {lo}-{hi - 1} of {where}: the server answered the ranged GET (Range: bytes={lo}-{hi - 1}) "
+        "with the whole object (HTTP 200 instead of 206 Partial Content); shardsafe reads checkpoints in byte ranges "
+        "and needs a server that honours Range requests (rclone's serve s3 does not)", errno.ENOTSUP, where)

@@ -12,7 +12,7 @@ from obstore import exceptions as obx
 from ...errors import CheckpointChangedError, CorruptCheckpointError, StorageError
 from ...knobs import STREAM_PIECE
 from ..base import ReadHandle
-from .errors import _NOT_FOUND
+from .errors import _NOT_FOUND, RangeNotSupportedError, _range_not_supported, _whole_object_answer
 
 if TYPE_CHECKING:
     from .folder import S3Folder
@@ -33,6 +33,19 @@ class S3ReadHandle(ReadHandle):
         self.where = folder.where(name)
         self.key = folder.key(name)
 
+    def _get(self, store: Any, lo: int, hi: int) -> Any:
+        """The answer to a GET of ``[lo, hi)`` pinned to the ETag opened; a server that
+        answers with the whole object (200, not 206) raises RangeNotSupportedError."""
+        opts: dict[str, Any] = {"range": (lo, hi)}
+        if self.etag:
+            opts["if_match"] = self.etag
+        try:
+            return obstore.get(store, self.key, options=opts)
+        except obx.BaseError as exc:
+            if _whole_object_answer(exc):
+                raise _range_not_supported(self.where, lo, hi) from exc
+            raise
+
     def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
         """One ranged GET of the whole range, streamed into ``buffers`` in pieces of
         ``STREAM_PIECE`` bytes (memory stays bounded whatever the range); a transient
@@ -49,17 +62,16 @@ class S3ReadHandle(ReadHandle):
         sink = _Scatter(views)
 
         def get() -> None:
-            opts: dict[str, Any] = {"range": (offset + sink.done, end)}
-            if self.etag:
-                opts["if_match"] = self.etag
-            for piece in obstore.get(store, self.key, options=opts).stream(min_chunk_size=STREAM_PIECE):
+            lo = offset + sink.done
+            for piece in self._get(store, lo, end).stream(min_chunk_size=STREAM_PIECE):
                 if not sink.put(memoryview(piece)):
                     raise CorruptCheckpointError(f"{self.where}: the server sent more than the {total} bytes "
                                                  f"asked for from byte {offset}")
 
         try:
             self.folder.backend.call("read", self.where, get,
-                                     (*_NOT_FOUND, obx.PreconditionError, CorruptCheckpointError))
+                                     (*_NOT_FOUND, obx.PreconditionError, CorruptCheckpointError,
+                                      RangeNotSupportedError))
         except obx.PreconditionError:
             raise CheckpointChangedError(f"{self.where} was replaced while it was read") from None
         except _NOT_FOUND:
@@ -79,10 +91,7 @@ class S3ReadHandle(ReadHandle):
         pos = [lo]
 
         def get() -> None:
-            opts: dict[str, Any] = {"range": (pos[0], hi)}
-            if self.etag:
-                opts["if_match"] = self.etag
-            for chunk in obstore.get(store, self.key, options=opts).stream(min_chunk_size=piece or STREAM_PIECE):
+            for chunk in self._get(store, pos[0], hi).stream(min_chunk_size=piece or STREAM_PIECE):
                 view = memoryview(chunk)
                 if pos[0] + len(view) > hi:
                     raise CorruptCheckpointError(f"{self.where}: the server sent more than asked for")
