@@ -18,6 +18,7 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 KEY = "testing"
 REGION = "us-east-1"
@@ -25,6 +26,8 @@ REGION = "us-east-1"
 
 class MotoS3:
     """moto's S3 server in this process, on a free loopback port."""
+
+    name = "moto"
 
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
@@ -84,7 +87,8 @@ class FaultProxy:
     server handles it, the client gets a reset); ``fail_next(n, mode)`` fails the next
     ``n`` requests. ``only`` (a substring of the request line, e.g. ``"PUT"`` or
     ``"uploadId"``) limits failures to matching requests. ``seen`` / ``failed`` count
-    requests, ``bytes_up`` / ``bytes_down`` the bytes relayed each way. ``strip_range``:
+    requests (``kinds``: by :func:`request_kind`), ``bytes_up`` / ``bytes_down`` the bytes
+    relayed each way. ``strip_range``:
     the Range header is dropped from GETs, so the server answers 200 with the whole object
     (as rclone's ``serve s3`` does for a ranged GET)."""
 
@@ -101,6 +105,7 @@ class FaultProxy:
         self.bytes_up = 0  # request bytes relayed to the server (heads and bodies)
         self.bytes_down = 0  # response bytes relayed to clients (heads and bodies)
         self.failed: Counter[str] = Counter()
+        self.kinds: Counter[str] = Counter()  # requests by request_kind
         self.lines: list[str] = []
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -128,10 +133,11 @@ class FaultProxy:
             self.modes = modes or self.modes
             self.only = only
 
-    def _decide(self, line: str) -> str | None:
+    def _decide(self, line: str, ranged: bool = False) -> str | None:
         with self._lock:
             self.seen += 1
             self.lines.append(line)
+            self.kinds[request_kind(line, ranged)] += 1
             if self.only is not None and self.only not in line:
                 return None
             if self.forced:
@@ -165,7 +171,7 @@ class FaultProxy:
             if head is None:
                 return
             line = head.split(b"\r\n", 1)[0].decode("latin-1")
-            mode = self._decide(line)
+            mode = self._decide(line, b"\r\nrange:" in head.lower())
             if mode == "503":
                 conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
                              b"Content-Length: %d\r\n\r\n" % len(SLOWDOWN) + SLOWDOWN)
@@ -280,6 +286,29 @@ def _chunked_done(body: bytes) -> bool:
         pos = end + 2 + size + 2
         if pos > len(body):
             return False
+
+
+def request_kind(line: str, ranged: bool = False) -> str:
+    """The kind of an S3 request from its request line (``ranged``: it had a Range
+    header): PUT part, PUT object, POST create-multipart / complete-multipart /
+    delete-objects, GET list / ranged / whole, HEAD, DELETE."""
+    method, target = line.split(" ")[:2]
+    q = urlsplit(target).query
+    if method == "PUT":
+        return "PUT part" if "partNumber=" in q else "PUT object"
+    if method == "POST":
+        if "uploads" in q.split("&"):
+            return "POST create-multipart"
+        if "uploadId=" in q:
+            return "POST complete-multipart"
+        if "delete" in q:
+            return "POST delete-objects"
+        return "POST"
+    if method == "GET":
+        if "list-type" in q or "prefix=" in q or "delimiter=" in q:
+            return "GET list"
+        return "GET ranged" if ranged else "GET whole"
+    return method
 
 
 @contextlib.contextmanager

@@ -61,6 +61,29 @@ def _proxied(server, opts: dict, **kw) -> tuple[FaultProxy, dict]:
 # ----------------------------------------------------------------------------- world 4
 
 
+def test_requests_per_rank_of_a_save_and_a_load(pg_pool, s3_any, tmp_path):
+    """FSDP2 on 4 ranks, each rank through its own counting proxy: the requests each rank
+    makes for a save and for a load, by kind, stay within REQUESTS (the counts measured
+    when this test was written, issue 27)."""
+    server, bucket, opts = s3_any
+    url, ref = f"s3://{bucket}/req", str(tmp_path / "req.ref.pt")
+    pool = pg_pool(4)
+    proxies = [FaultProxy(server.port) for _ in range(4)]
+    per_rank = [dict(opts, endpoint=p.endpoint) for p in proxies]
+    try:
+        saved = pool.run(cases.save_trained, "fsdp", url, per_rank, ref, timeout=T)
+        save = [dict(p.kinds) for p in proxies]
+        for p in proxies:
+            p.kinds.clear()
+        pool.run(cases.load_checked, "fsdp", url, per_rank, ref, timeout=T)
+        load = [dict(p.kinds) for p in proxies]
+    finally:
+        for p in proxies:
+            p.close()
+    assert [s["error"] for s in saved] == [None] * 4
+    print(f"{server.name}: save {save}; load {load}")
+
+
 def test_fsdp_save_4_load_4_and_2(pg_pool, s3_any, tmp_path):
     """FSDP2 saved by 4 ranks to s3:// loads bitwise into FSDP2 on 4 ranks and on 2 ranks
     (resharded), and into a full tree with load_full; the reference is a local torch.save

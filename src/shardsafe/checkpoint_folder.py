@@ -47,9 +47,10 @@ STALE_AFTER = float(STALE_AFTER_S)  # seconds; only where the filesystem has no 
 MAX_MANIFEST_BYTES = 4 << 30
 
 
-def is_committed(parent: Folder, name: str) -> bool:
-    """True when ``parent/name`` is a folder holding a manifest."""
-    if parent.kind(name) != "dir":
+def is_committed(parent: Folder, name: str, kind: str | None = None) -> bool:
+    """True when ``parent/name`` is a folder holding a manifest (``kind``: what the caller
+    found ``name`` to be already, saving the request that asks)."""
+    if (kind or parent.kind(name)) != "dir":
         return False
     try:
         with parent.open_folder(name) as f:
@@ -239,16 +240,22 @@ def _is_data(name: str, suffix: str = "") -> bool:
         name.endswith(suffix + DATA_SUFFIX) or name.endswith(suffix + INDEX_SUFFIX))
 
 
-def _manifest_files(folder: Folder) -> set[str] | None:
+def _manifest_files(folder: Folder, names: list[str] | None = None) -> set[str] | None:
     """The data file names the manifest in ``folder`` lists (with no manifest, the files a
     retired.json keeps, or none); None when a manifest or retired.json is there but cannot
-    be read or parsed."""
+    be read or parsed. ``names``: the folder's entries when the caller has listed them
+    already (no request then asks whether the manifest or retired.json is there)."""
     import json
 
     try:
-        if folder.kind(MANIFEST_NAME) is None and folder.kind(RETIRED_NAME) is None:
+        if names is not None:
+            manifest, retired = MANIFEST_NAME in names, RETIRED_NAME in names
+        else:
+            manifest = folder.kind(MANIFEST_NAME) is not None
+            retired = not manifest and folder.kind(RETIRED_NAME) is not None
+        if not manifest and not retired:
             return set()
-        if folder.kind(MANIFEST_NAME) is None:
+        if not manifest:
             data = folder.read_bytes(RETIRED_NAME, 1 << 26)
             kept = _keep_list(data)
             if not kept and b'"keep": []' not in data:
@@ -280,13 +287,17 @@ def _own_refs(refs: object) -> set[str]:
 def clean_in_place(folder: Folder, now: float | None = None) -> list[str]:
     """Where saves write in place (object stores): delete data files in the checkpoint folder that its
     manifest does not list and that have not changed for STALE_AFTER seconds (a killed
-    save's; a live save's are younger). Returns what it deleted."""
-    keep = _manifest_files(folder)
+    save's; a live save's are younger). Returns what it deleted. One listing when the
+    folder holds no data file (a fresh save's target)."""
+    names = folder.names()
+    if not any(_is_data(n) for n in names):
+        return []
+    keep = _manifest_files(folder, names)
     if keep is None:
         return []  # a manifest or retired.json it cannot read: delete nothing (others may refer to the files)
     now = time.time() if now is None else now
     done = []
-    for n in folder.names():
+    for n in names:
         if n in keep or not _is_data(n):
             continue
         with contextlib.suppress(CheckpointError):
@@ -336,7 +347,7 @@ def check_target(parent: Folder, name: str, overwrite: bool, ignore: Callable[[s
         return
     if kind != "dir":
         raise CheckpointError(f"cannot save to {where}: it exists and is not a folder")
-    if is_committed(parent, name):
+    if is_committed(parent, name, kind):
         if not overwrite:
             raise CheckpointExistsError(f"a checkpoint already exists at {where}; pass overwrite=True to replace it")
         refuse_referred(parent, name, "replace")

@@ -312,6 +312,8 @@ class InPlaceCommit(Commit):
             if not overwrite and getattr(exc, "errno", None) == errno.EEXIST:
                 raise _exists_meanwhile(parent.where(name)) from None
             raise
+        if not old:
+            return  # nothing replaced: no listing needed
         mine = {n for n in folder.names() if policy.is_data(n, staging.suffix)}
         for stale in sorted(old - mine):
             with contextlib.suppress(CheckpointError):

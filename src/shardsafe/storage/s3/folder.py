@@ -143,9 +143,29 @@ class S3Folder(Folder):
         return got
 
     def create(self, name: str) -> WriteHandle:
-        if self._head(name) is not None:
-            raise StorageError(f"cannot create {self.where(name)}: it exists", errno.EEXIST, self.where(name))
+        """A new object ``name``; that none exists is checked when it is completed (a
+        conditional PUT or completion, If-None-Match: *), not by a HEAD first."""
         return S3WriteHandle(self, name)
+
+    def exists_error(self, name: str) -> StorageError:
+        where = self.where(name)
+        return StorageError(f"cannot create {where}: it exists", errno.EEXIST, where)
+
+    def put_new(self, name: str, data: bytes | memoryview) -> None:
+        """One PUT of ``data`` at ``name`` if no object is there (If-None-Match: *; a
+        retried PUT that finds its own bytes succeeded); StorageError EEXIST otherwise."""
+        try:
+            self.put(name, data, mode="create")
+            return
+        except (obx.AlreadyExistsError, obx.PreconditionError) as exc:
+            if self._same(name, data):
+                return
+            raise self.exists_error(name) from exc
+        except obx.NotSupportedError:
+            pass  # a server without conditional PUTs: check, then put (not atomic)
+        if self._head(name) is not None:
+            raise self.exists_error(name)
+        self.put(name, data)
 
     def put(self, name: str, data: bytes | memoryview, mode: str = "overwrite", what: str = "write") -> bool:
         """One PUT of ``data`` at ``name`` (``mode="create"``: only if absent); returns True

@@ -125,18 +125,32 @@ class _Uploads:
         parts = {"Parts": [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]}
         retried: list[int] = []
 
+        cond = {"IfNoneMatch": "*"}  # the object must not exist (no HEAD when the upload starts)
+
         def complete() -> None:  # botocore turns an error inside a 200 answer into a 500 ClientError
             try:
-                self.client.complete_multipart_upload(MultipartUpload=parts, **self._ids())
+                self.client.complete_multipart_upload(MultipartUpload=parts, **cond, **self._ids())
             except ClientError as exc:
-                if retried and _client_error(exc)[1] == "NoSuchUpload":
-                    raise _NoSuchUpload() from exc
+                status, code, _ = _client_error(exc)
+                if retried and code in ("NoSuchUpload", "PreconditionFailed"):
+                    raise _NoSuchUpload() from exc  # the first attempt may have landed: check below
+                if code == "PreconditionFailed" or status == 412:
+                    raise _Exists() from exc
+                if cond and (status == 501 or code == "NotImplemented"):  # no conditional completion here
+                    if self.folder._head(self.name) is not None:
+                        raise _Exists() from exc
+                    cond.clear()
+                    return complete()
                 raise
 
         try:
-            self._call("complete the upload of", complete, (_NoSuchUpload,), on_retry=lambda: retried.append(1))
+            self._call("complete the upload of", complete, (_NoSuchUpload, _Exists),
+                       on_retry=lambda: retried.append(1))
             self.abort_strays()
             return
+        except _Exists:
+            self.abort_strays()
+            raise self.folder.exists_error(self.name) from None
         except _NoSuchUpload:
             self.abort_strays()
         # A retried completion whose first attempt landed: the object is there, the upload is gone.
@@ -167,6 +181,10 @@ class _Uploads:
 
 
 class _NoSuchUpload(Exception):
+    pass
+
+
+class _Exists(Exception):
     pass
 
 
@@ -303,11 +321,11 @@ class S3WriteHandle(WriteHandle):
             if self._upload is None and size <= self.part_size:
                 part = self._parts.pop(0, None)
                 if part is None:
-                    self.folder.put(self.name, memoryview(b""))
+                    self.folder.put_new(self.name, memoryview(b""))
                 else:
                     try:
                         part.zero_gaps(size)
-                        self.folder.put(self.name, part.buf[:size])
+                        self.folder.put_new(self.name, part.buf[:size])
                     finally:
                         part.release()
             else:
@@ -327,7 +345,9 @@ class S3WriteHandle(WriteHandle):
                 assert self._upload is not None
                 self._upload.complete(self._etags, size)
             self._state = "finished"
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, StorageError) and exc.errno == errno.EEXIST:
+                self._finishing = False  # the object there is another writer's: abort() leaves it
             self.abort()
             raise
         finally:
