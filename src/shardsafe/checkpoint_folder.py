@@ -513,19 +513,15 @@ def open_committed(backend: Backend, location: str, attempts: int = 3) -> tuple[
     it out and is deleting it) is opened again from ``location``."""
     for attempt in range(attempts):
         try:
-            folder = backend.open(location)
+            folder, data = backend.open_and_read(location, MANIFEST_NAME, MAX_MANIFEST_BYTES)
         except CheckpointNotFoundError as exc:
             if getattr(exc, "bucket", None) is not None:  # a missing bucket (s3): the backend's words say it all
                 raise
             raise CheckpointNotFoundError(f"no checkpoint at {location}{not_found_hint(backend, location)}") from None
-        try:
-            return folder, folder.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-        except CheckpointNotFoundError:
-            folder.close()
-            if attempt == attempts - 1:
-                raise CheckpointNotFoundError(
-                    f"no checkpoint at {location} (no {MANIFEST_NAME}){not_found_hint(backend, location)}") from None
-        except BaseException:
-            folder.close()
-            raise
+        if data is not None:
+            return folder, data
+        folder.close()
+        if attempt == attempts - 1:
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {location} (no {MANIFEST_NAME}){not_found_hint(backend, location)}") from None
     raise AssertionError("unreachable")  # pragma: no cover

@@ -238,6 +238,20 @@ class Backend(ABC):
         """The folder at ``location`` (created, with its parents, when ``create``);
         CheckpointNotFoundError when it does not exist."""
 
+    def open_and_read(self, location: str, name: str, limit: int) -> tuple[Folder, bytes | None]:
+        """The folder at ``location`` (CheckpointNotFoundError when it does not exist) and
+        the whole of its file ``name`` (None when absent; more than ``limit`` bytes:
+        CorruptCheckpointError). Object stores read first and look for the folder only
+        when the file is absent (one request where all is well)."""
+        folder = self.open(location)
+        try:
+            return folder, folder.read_bytes(name, limit)
+        except CheckpointNotFoundError:
+            return folder, None
+        except BaseException:
+            folder.close()
+            raise
+
     def use_memory(self, memory: HostMemory) -> None:  # noqa: B027 - a default no-op, not abstract
         """Lease the host buffers this backend keeps of its own (an object store's upload
         parts and blocks) from ``memory``, the Checkpointer's one budget, from now on. The

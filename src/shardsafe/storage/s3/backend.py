@@ -103,6 +103,18 @@ class S3Backend(Backend):
             folder.check_exists()
         return folder
 
+    def open_and_read(self, location: str, name: str, limit: int) -> tuple[Folder, bytes | None]:
+        """One GET where the file is there; the folder's existence is asked only when not."""
+        bucket, prefix = _split_url(location, self.scheme)
+        folder = self._folder(bucket, prefix)
+        try:
+            return folder, folder.read_bytes(name, limit)
+        except BucketNotFoundError:
+            raise
+        except CheckpointNotFoundError:
+            folder.check_exists()  # no folder (or a file in its place): CheckpointNotFoundError
+            return folder, None
+
     def split(self, location: str) -> tuple[str, str]:
         bucket, prefix = _split_url(location, self.scheme)
         parent, _, name = prefix.rpartition("/")
