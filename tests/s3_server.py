@@ -93,8 +93,8 @@ class FaultProxy:
     (as rclone's ``serve s3`` does for a ranged GET)."""
 
     def __init__(self, upstream_port: int, rate: float = 0.0, modes: tuple[str, ...] = ("503", "reset"),
-                 seed: int = 0) -> None:
-        self.upstream = ("127.0.0.1", upstream_port)
+                 seed: int = 0, upstream_host: str = "127.0.0.1") -> None:
+        self.upstream = (upstream_host, upstream_port)
         self.rate = rate
         self.modes = modes
         self.only: str | None = None

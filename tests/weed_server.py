@@ -69,6 +69,7 @@ class WeedS3:
         exe = exe or weed_binary()
         if exe is None:
             raise RuntimeError(missing())
+        self.exe = exe
         self.dir = tempfile.mkdtemp(prefix="weed-")
         master, volume, filer, s3 = _free_ports(4)
         self.port = s3
