@@ -326,3 +326,29 @@ def test_copy_and_export_compressed(tmp_path):
         if isinstance(v, torch.Tensor):
             assert _bitwise(full[k], v), k
     assert verify_checkpoint(tmp_path / "copy").ok
+
+
+def test_inspect_shows_ratio_per_tensor(tmp_path):
+    from shardsafe.tools.inspect import inspect_checkpoint
+
+    shardsafe.save(_state(), tmp_path / "ck", compression="zstd")
+    rows = {r.key: r for r in inspect_checkpoint(tmp_path / "ck").rows}
+    assert rows["zeros"].stored < rows["zeros"].nbytes / 100
+    assert rows["f32"].to_json()["ratio"] > 1.1
+    assert "stored" in inspect_checkpoint(tmp_path / "ck").to_text()
+
+
+def test_manager_and_adapters_take_compression(tmp_path):
+    from shardsafe.integrations.lightning import ShardsafeCheckpointIO
+
+    mgr = shardsafe.CheckpointManager(tmp_path / "run", compression="lz4")
+    try:
+        mgr.save(1, _state())
+        assert shardsafe.read_manifest(next((tmp_path / "run").glob("step-*"))).version == (3, 2)
+    finally:
+        mgr.close()
+    with pytest.raises(ValueError, match="compression"):
+        shardsafe.CheckpointConfig(folder=str(tmp_path), compression="gzip")
+    io = ShardsafeCheckpointIO(compression="zstd")
+    io.save_checkpoint({"w": torch.zeros(1000)}, tmp_path / "l")
+    assert shardsafe.read_manifest(tmp_path / "l").version == (3, 2)
