@@ -352,3 +352,17 @@ def test_manager_and_adapters_take_compression(tmp_path):
     io = ShardsafeCheckpointIO(compression="zstd")
     io.save_checkpoint({"w": torch.zeros(1000)}, tmp_path / "l")
     assert shardsafe.read_manifest(tmp_path / "l").version == (3, 2)
+
+
+def test_block_buffers_come_from_the_budget(tmp_path):
+    """Decompressed blocks are leased from the Checkpointer's budget and all returned."""
+    state = _state()
+    cp = shardsafe.Checkpointer(memory_budget=64 << 20)
+    try:
+        cp.save(state, tmp_path / "ck", compression="zstd")
+        dest = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+        cp.load(dest, tmp_path / "ck")
+        assert _bitwise(dest["bf16"], state["bf16"])
+        assert cp.memory.in_use == 0 and cp.memory.peak > 0
+    finally:
+        cp.close()

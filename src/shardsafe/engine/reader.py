@@ -57,6 +57,7 @@ class OpenFiles:
         self.handles: dict[int, ReadHandle] = {}
         self.headers_ok: set[int] = set()
         self._lock = threading.Lock()
+        self.memory: HostMemory | None = None  # compressed blocks' buffers come from it (set by the Reader)
 
     def name(self, index: int) -> str:
         """The printable location of file ``index``."""
@@ -115,7 +116,7 @@ class OpenFiles:
                 h = self._open(index)
                 if self.manifest.version >= (3, 2):  # compressed chunks: reads of logical ranges decompress
                     h = ZHandle(h, lambda: self.manifest.zrows(index), self.manifest.extra["checksum_block"],
-                                self.name(index))
+                                self.name(index), lambda: self.memory)
                 self.handles[index] = h
             return h
 
@@ -354,6 +355,8 @@ class Reader:
     def __init__(self, files: OpenFiles, memory: HostMemory, threads: int = 2,
                  progress: Callable[[int], None] | None = None) -> None:
         self.files = files
+        if files.memory is None:
+            files.memory = memory
         # remote files: fewer, larger requests for what is read without the spill
         self.window = REMOTE_VERIFY_WINDOW if files.spill else VERIFY_WINDOW
         self.memory = memory

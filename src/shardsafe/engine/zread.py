@@ -21,6 +21,7 @@ from ..format.checksum import checksum
 from ..format.codecs import CodecError, decompress_into
 from ..format.zindex import LOGICAL_BASE, ZRow, stored_key
 from ..storage.base import ReadHandle
+from .memory import HostMemory, Lease
 
 CACHED_BLOCKS = 2  # decompressed blocks each reading thread keeps
 
@@ -30,7 +31,8 @@ class ZHandle(ReadHandle):
     ranges. ``rows()`` returns the file's compressed chunks (sorted by stored start);
     ``where`` names the file in errors; ``block``: the checksum block size."""
 
-    def __init__(self, inner: ReadHandle, rows: Callable[[], list[ZRow]], block: int, where: str) -> None:
+    def __init__(self, inner: ReadHandle, rows: Callable[[], list[ZRow]], block: int, where: str,
+                 memory: Callable[[], HostMemory | None] = lambda: None) -> None:
         self.inner = inner
         self.name = inner.name
         self.size = inner.size
@@ -42,6 +44,8 @@ class ZHandle(ReadHandle):
         self._local = threading.local()
         self._lock = threading.Lock()
         self.stored_read = 0  # stored bytes read for logical reads (tests, tools)
+        self._memory = memory  # the budget the block buffers are leased from (None: plain buffers)
+        self._leases: set[Lease] = set()  # every lease the threads' caches hold (released by close)
 
     def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
         if offset < LOGICAL_BASE:
@@ -75,32 +79,56 @@ class ZHandle(ReadHandle):
 
     def _block(self, row: ZRow, b: int) -> memoryview:
         """Block ``b`` of ``row``, decompressed and verified (from this thread's cache)."""
-        cache: list[tuple[tuple[int, int], memoryview]] = getattr(self._local, "cache", None) or []
+        cache: list[tuple[tuple[int, int], memoryview, Lease | None]] = getattr(self._local, "cache", None) or []
         self._local.cache = cache
         key = (row.logical, b)
-        for k, view in cache:
+        for k, view, _ in cache:
             if k == key:
                 return view
-        lo = row.start + sum(row.lengths[:b])
+        lo = row.start + row.offset(b)
         n = row.lengths[b]
         raw = min(self.block, row.raw - b * self.block)
-        stored = bytearray(n)
-        if n:
-            self.inner.read_into([memoryview(stored)], lo)
-        with self._lock:
-            self.stored_read += n
-        out = memoryview(bytearray(raw))
-        what = f"{self.where}, tensor '{row.key}', stored block at bytes {lo}-{lo + n}"
+        stored, stored_lease = self._buffer(n)
         try:
-            decompress_into(row.codec, stored, row.itemsize, out)
-        except CodecError as exc:
-            raise CorruptCheckpointError(f"{what}: {exc}: the data is corrupt") from None
-        if checksum(out) != row.sums[b]:
-            raise CorruptCheckpointError(f"checksum mismatch in {what} (decompressed): the data is corrupt")
-        cache.append((key, out))
+            if n:
+                self.inner.read_into([stored], lo)
+            with self._lock:
+                self.stored_read += n
+            out, lease = self._buffer(raw)
+            what = f"{self.where}, tensor '{row.key}', stored block at bytes {lo}-{lo + n}"
+            try:
+                decompress_into(row.codec, stored, row.itemsize, out)
+                if checksum(out) != row.sums[b]:
+                    raise CorruptCheckpointError(f"checksum mismatch in {what} (decompressed): the data is corrupt")
+            except CodecError as exc:
+                self._drop(lease)
+                raise CorruptCheckpointError(f"{what}: {exc}: the data is corrupt") from None
+            except BaseException:
+                self._drop(lease)
+                raise
+        finally:
+            self._drop(stored_lease)
+        cache.append((key, out, lease))
         if len(cache) > CACHED_BLOCKS:
-            cache.pop(0)
+            self._drop(cache.pop(0)[2])
         return out
+
+    def _buffer(self, n: int) -> tuple[memoryview, Lease | None]:
+        """``n`` bytes leased from the budget (counted at once: a reading thread holds at
+        most a few blocks), or plain memory without a budget."""
+        memory = self._memory()
+        if memory is None:
+            return memoryview(bytearray(n)), None
+        lease = memory.lease(n, keep=True, wait=False)
+        with self._lock:
+            self._leases.add(lease)
+        return memoryview(lease.tensor.numpy())[:n], lease
+
+    def _drop(self, lease: Lease | None) -> None:
+        if lease is not None:
+            with self._lock:
+                self._leases.discard(lease)
+            lease.release()
 
     def stored_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The stored byte ranges that logical/real ``ranges`` read (remote prefetch)."""
@@ -115,11 +143,15 @@ class ZHandle(ReadHandle):
                 b0 = row.block_at(pos, self.block)
                 end = min(hi, row.logical + row.raw)
                 b1 = row.block_at(end - 1, self.block)
-                out.append((row.start + sum(row.lengths[:b0]), row.start + sum(row.lengths[: b1 + 1])))
+                out.append((row.start + row.offset(b0), row.start + row.offset(b1 + 1)))
                 pos = end
         return out
 
     def close(self) -> None:
+        with self._lock:
+            leases, self._leases = list(self._leases), set()
+        for lease in leases:
+            lease.release()
         self.inner.close()
 
 

@@ -50,6 +50,16 @@ class ZRow:
     raw: int  # uncompressed bytes
     sums: tuple[str, ...]  # block checksums (of the uncompressed blocks)
 
+    def offset(self, b: int) -> int:
+        """Where block ``b`` starts, relative to the stored start (``b`` = count: the end)."""
+        ends = self.__dict__.get("_ends")
+        if ends is None:
+            ends = [0]
+            for n in self.lengths:
+                ends.append(ends[-1] + n)
+            object.__setattr__(self, "_ends", ends)
+        return ends[b]
+
     def block_at(self, logical: int, block: int) -> int:
         """The block holding logical byte ``logical`` (inside this row)."""
         return (logical - self.logical) // block
