@@ -267,6 +267,10 @@ def test_auto_learns_from_a_raw_save(tmp_path):
         cp._bandwidth[backend] = 1.0  # a very slow storage: any codec beats it
         second = cp.save(_state(), tmp_path / "b", compression="auto")
         assert second.compression in compression.CODECS
+        assert cp._rates[backend][second.compression] == second.write_bandwidth > 0
+        cp._rates[backend] = {"zstd": 0.5, "lz4": 0.5}  # both were slower than raw here: raw
+        assert cp.save(_state(), tmp_path / "e", compression="auto").compression == "off"
+        cp._rates[backend] = {}
         cp._bandwidth[backend] = 1e15  # a storage faster than any codec: raw
         assert cp.save(_state(), tmp_path / "c", compression="auto").compression == "off"
     finally:

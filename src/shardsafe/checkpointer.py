@@ -122,6 +122,7 @@ class Checkpointer:
         self.plans = PlanCache(plan_cache_size)
         self.memo = VersionMemo()  # chunk digests of the last saves (used with version_skip=True)
         self._bandwidth: dict[int, float] = {}  # id(backend) -> write bandwidth of its last raw save (bytes/s)
+        self._rates: dict[int, dict[str, float]] = {}  # id(backend) -> codec -> chunk bytes/s of its last save
         self.pending: SaveFuture | None = None
         self._groups: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, its dedicated gloo group)
         self._closed = False
@@ -167,9 +168,15 @@ class Checkpointer:
         return info
 
     def _learn(self, staged: StagedSave, info: SaveInfo) -> None:
-        """Remember a raw save's write bandwidth per backend (what ``compression="auto"`` compares against)."""
-        if info.compression == "off" and info.write_bandwidth > 0 and staged.prep.backend is not None:
-            self._bandwidth[id(staged.prep.backend)] = info.write_bandwidth
+        """Remember a raw save's write bandwidth per backend (what ``compression="auto"``
+        compares against), and the rate each codec reached (ops/compression.py)."""
+        if info.write_bandwidth <= 0 or staged.prep.backend is None:
+            return
+        backend = id(staged.prep.backend)
+        if info.compression == "off":
+            self._bandwidth[backend] = info.write_bandwidth
+        else:
+            self._rates.setdefault(backend, {})[info.compression] = info.write_bandwidth
 
     def async_save(self, state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
                    process_group: Any = None, max_staging_bytes: int | None = None,
@@ -204,7 +211,7 @@ class Checkpointer:
         if memo is None:
             self.memo.replace({})  # the memo answers for the last save only (and holds its storages)
         request = SaveRequest(state_dict, backend, location, overwrite, _check(check_replicas), base_location, memo,
-                              compression, self._bandwidth.get(id(backend)))
+                              compression, self._bandwidth.get(id(backend)), self._rates.get(id(backend)))
         return start(request, comm, group, self.plans, self.memory, policy, self.pin_memory)
 
     def _base(self, backend: Backend, base: PathLike | None, storage_options: dict[str, Any] | None) -> str | None:

@@ -8,12 +8,16 @@
   thread, times the writer threads) must exceed the storage's write bandwidth, as
   measured by the last raw save of the same :class:`~shardsafe.Checkpointer` to the same
   backend. Without such a measurement (the first save) the file is written raw, and
-  measured. zstd (better ratio) is tried first, then lz4. Each rank decides for its own
-  file; files of one checkpoint may differ.
+  measured. zstd (better ratio) is tried first, then lz4. The outcome is measured too: a
+  codec whose ``auto`` save wrote its chunk bytes (before compression) slower than the last
+  raw save did is not chosen again by that Checkpointer for that backend, so at most one
+  ``auto`` save per codec is slower than raw. Each rank decides for its own file; files of
+  one checkpoint may differ.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -62,17 +66,22 @@ def throughput(codec: str, plan: FileWrite, source) -> float:
     return found
 
 
-def choose(compression: str, plan: FileWrite, source, threads: int, bandwidth: float | None) -> str:
+def choose(compression: str, plan: FileWrite, source, threads: int, bandwidth: float | None,
+           rates: dict[str, float] | None = None) -> str:
     """The codec of this rank's file ("" for raw) under ``compression``; ``bandwidth``:
-    the storage's measured write bandwidth (bytes/s, None: unknown)."""
+    the storage's measured write bandwidth (bytes/s, None: unknown); ``rates``: chunk
+    bytes/s that earlier ``auto`` saves reached with each codec."""
     if compression == "off":
         return ""
     if compression in CODECS:
         return compression
     if not bandwidth or not plan.chunks:
         return ""
+    parallel = max(1, min(threads, os.cpu_count() or 1))
     for codec in CODECS:
-        if throughput(codec, plan, source) * max(1, threads) > MARGIN * bandwidth:
+        if (rates or {}).get(codec, bandwidth + 1) <= bandwidth:
+            continue  # it was slower than raw here
+        if throughput(codec, plan, source) * parallel > MARGIN * bandwidth:
             return codec
     return ""
 
