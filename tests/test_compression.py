@@ -370,3 +370,44 @@ def test_block_buffers_come_from_the_budget(tmp_path):
         assert cp.memory.in_use == 0 and cp.memory.peak > 0
     finally:
         cp.close()
+
+
+def test_copy_recompresses(tmp_path):
+    from shardsafe.tools.cli import main
+    from shardsafe.tools.copy import copy_checkpoint
+
+    state = _state()
+    shardsafe.save(state, tmp_path / "raw")
+    copy_checkpoint(tmp_path / "raw", tmp_path / "z", compression="zstd")
+    assert shardsafe.read_manifest(tmp_path / "z").version == (3, 2)
+    assert main(["copy", str(tmp_path / "z"), str(tmp_path / "l"), "--compression", "lz4"]) == 0
+    assert json.loads((tmp_path / "l" / "data-r00000-00.index.json").read_bytes())["zchunks"]["c"][0] == "lz4"
+    copy_checkpoint(tmp_path / "l", tmp_path / "back", compression="off")
+    assert shardsafe.read_manifest(tmp_path / "back").version == (3, 1)
+    # raw again: the same bytes as the original save's data file
+    assert (tmp_path / "back" / "data-r00000-00.safetensors").stat().st_size == \
+        (tmp_path / "raw" / "data-r00000-00.safetensors").stat().st_size
+    for p in ("z", "l", "back"):
+        full = shardsafe.load_full(tmp_path / p)
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                assert _bitwise(full[k], v), (p, k)
+        assert verify_checkpoint(tmp_path / p).ok
+
+
+def test_rank_local_tensors_stay_raw(tmp_path):
+    """Rank-local tensors live in ``chunks`` (raw) of a compressed file; both round trip and recompress."""
+    from shardsafe.tools.copy import copy_checkpoint
+
+    state = {"w": torch.zeros(100000), "rng": shardsafe.rank_local({"seed": 3, "t": torch.arange(5000)})}
+    shardsafe.save(state, tmp_path / "ck", compression="zstd")
+    idx = _index(tmp_path / "ck")
+    assert len(idx["chunks"]["t"]) == 1 and idx["zchunks"]["t"] == [0]
+    copy_checkpoint(tmp_path / "ck", tmp_path / "l", compression="lz4")
+    for p in ("ck", "l"):
+        dest = {"w": torch.ones(100000), "rng": shardsafe.rank_local({})}
+        shardsafe.load(dest, tmp_path / p)
+        got = dest["rng"].value if hasattr(dest["rng"], "value") else dest["rng"]
+        assert not dest["w"].any()
+        assert torch.equal(got["t"], torch.arange(5000)) and got["seed"] == 3
+        assert verify_checkpoint(tmp_path / p).ok

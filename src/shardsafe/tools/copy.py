@@ -23,7 +23,7 @@ from typing import Any
 
 from ..checkpoint_folder import begin_save
 from ..checkpointer import Checkpointer
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.checksum import checksum
 from ..format.file_index import data_name, index_name
 from ..format.manifest import FileEntry, Manifest
@@ -66,10 +66,15 @@ def _windows(checks: list[BlockCheck], limit: int) -> list[list[BlockCheck]]:
 
 
 def copy_checkpoint(src: PathLike, dst: PathLike, *, overwrite: bool = False, window: int = WINDOW,
-                    checkpointer: Checkpointer | None = None) -> CopyReport:
+                    checkpointer: Checkpointer | None = None, compression: str | None = None) -> CopyReport:
     """Copy the committed checkpoint at ``src`` to ``dst`` (any two backends), verifying
     every block and header checksum while streaming; ``dst`` is committed last (replacing
-    a checkpoint there only with ``overwrite``). Memory: one window (8 MiB)."""
+    a checkpoint there only with ``overwrite``). Memory: one window (8 MiB).
+
+    ``compression`` ("zstd", "lz4" or "off"): the data files are written again with that
+    codec, or raw (tools/recompress.py; memory: one data file's tensors)."""
+    if compression is not None and compression not in ("zstd", "lz4", "off"):
+        raise CheckpointError(f"compression={compression!r}: expected 'zstd', 'lz4' or 'off'")
     t0 = time.perf_counter()
     cp = checkpointer if checkpointer is not None else Checkpointer()
     total = 0
@@ -80,6 +85,14 @@ def copy_checkpoint(src: PathLike, dst: PathLike, *, overwrite: bool = False, wi
             backend, location = cp.locate(dst)
             target = begin_save(backend, location, overwrite)
             try:
+                if compression is not None:
+                    from ..ops.commit import checked_manifest
+                    from .recompress import recompressed_manifest
+
+                    out, total = recompressed_manifest(manifest, reader, cp, target,
+                                                       "" if compression == "off" else compression)
+                    target.commit(checked_manifest(out), overwrite)
+                    return CopyReport(str(src), str(dst), len(manifest.files), total, time.perf_counter() - t0)
                 files: list[FileEntry] = []  # format 2: new names; format 3 derives them from the save id
                 for index, entry in enumerate(manifest.files):
                     name = data_name(entry.rank, target.suffix, len([f for f in files if f.rank == entry.rank]))
