@@ -359,26 +359,40 @@ class FileWriter:
             self.handle.write(group, offset)
 
     def _write_zipped(self, stretch: Stretch) -> None:
-        """Hash each block, compress it (or keep it raw), then, in submission order, take
-        the next bytes of the file and write the stretch's stored blocks there."""
+        """Hash each block, compress it (or keep it raw) into a buffer leased for the
+        stretch, then, in submission order, take the next bytes of the file and write the
+        stretch's stored blocks there."""
         z = self.zip
         assert z is not None
         out: list[tuple[int, int, memoryview]] = []
-        for ci, bi, piece in stretch.pieces:
-            self.sums[ci][bi] = checksum(piece)
-            self.wide[ci][bi] = block_digest(piece)
-            packed = compress(z.codec, piece, z.itemsizes[ci]) if z.packs[ci] else None
-            out.append((ci, bi, piece if packed is None else memoryview(packed)))
-        offset = z.take(stretch.seq, sum(len(b) for _, _, b in out), lambda: self.error)
-        pos = offset
-        for ci, bi, buf in out:
-            z.stored[ci][bi] = (pos, len(buf))
-            pos += len(buf)
-        bufs = [b for _, _, b in out if len(b)]
-        for i in range(0, len(bufs), IOV_MAX):
-            part = bufs[i: i + IOV_MAX]
-            self.handle.write(part, offset)
-            offset += sum(len(b) for b in part)
+        packed_bytes = sum(len(p) for ci, _, p in stretch.pieces if z.packs[ci])
+        lease = self.memory.lease(packed_bytes, keep=True, wait=False) if packed_bytes else None
+        try:
+            room = memoryview(lease.tensor.numpy()) if lease is not None else memoryview(b"")
+            used = 0
+            for ci, bi, piece in stretch.pieces:
+                self.sums[ci][bi] = checksum(piece)
+                self.wide[ci][bi] = block_digest(piece)
+                packed = compress(z.codec, piece, z.itemsizes[ci]) if z.packs[ci] else None
+                if packed is None:
+                    out.append((ci, bi, piece))
+                    continue
+                room[used: used + len(packed)] = packed  # (shorter than the piece: it fits)
+                out.append((ci, bi, room[used: used + len(packed)]))
+                used += len(packed)
+            offset = z.take(stretch.seq, sum(len(b) for _, _, b in out), lambda: self.error)
+            pos = offset
+            for ci, bi, buf in out:
+                z.stored[ci][bi] = (pos, len(buf))
+                pos += len(buf)
+            bufs = [b for _, _, b in out if len(b)]
+            for i in range(0, len(bufs), IOV_MAX):
+                part = bufs[i: i + IOV_MAX]
+                self.handle.write(part, offset)
+                offset += sum(len(b) for b in part)
+        finally:
+            if lease is not None:
+                lease.release()
 
     def finish(self, help_write: bool = True) -> WrittenFile:
         """Wait for every stretch to be written (this thread helps with ``help_write``),
