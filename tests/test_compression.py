@@ -427,3 +427,29 @@ def test_compressed_on_s3(s3):
     for k, v in state.items():
         if isinstance(v, torch.Tensor):
             assert _bitwise(dest[k], v) and _bitwise(full[k], v), k
+
+
+def test_decompression_is_bounded_by_the_declared_length():
+    import lz4.block
+    import zstandard
+
+    from shardsafe.format.codecs import CodecError
+
+    out = memoryview(bytearray(1 << 16))
+    big = zstandard.ZstdCompressor(write_content_size=True).compressobj(size=1 << 30)  # claims 1 GiB
+    zero = bytes(1 << 20)
+    claim = b"".join(big.compress(zero) for _ in range(1024)) + big.flush()
+    bombs = {
+        "zstd": [claim,
+                 zstandard.ZstdCompressor(write_content_size=False).compress(bytes(1 << 20))],  # no size, inflates
+        "lz4": [lz4.block.compress(bytes(1 << 20), store_size=False)],
+    }
+    for codec, frames in bombs.items():
+        for frame in frames:
+            assert len(frame) < len(out)
+            with pytest.raises(CodecError):
+                decompress_into(codec, frame, 4, out)
+    with pytest.raises(CodecError):
+        decompress_into("zstd", b"\x28\xb5\x2f\xfd" + bytes(20), 4, out)  # a truncated frame
+    with pytest.raises(CodecError, match="unknown codec"):
+        decompress_into("brotli", b"x", 4, out)
