@@ -35,7 +35,7 @@ def default_checkpointer() -> Checkpointer:
 
 def save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False, process_group: Any = None,
          check_replicas: bool | None = None, storage_options: dict[str, Any] | None = None,
-         base: PathLike | None = None, version_skip: bool = False) -> SaveInfo:
+         base: PathLike | None = None, version_skip: bool = False, compression: str = "off") -> SaveInfo:
     """Save ``state_dict`` as a checkpoint folder at ``path``, crash-safely.
 
     With a process group (default: the world group when initialized) every rank calls
@@ -61,16 +61,23 @@ def save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
     Checkpointer's last save is not hashed again. Unsafe with fused optimizers
     (``fused=True``: their steps leave ``_version`` unchanged) and with writes through
     ``.data``, numpy or DLPack views or other code that bypasses the counter
-    (docs/incremental.md)."""
+    (docs/incremental.md).
+
+    ``compression``: ``"off"`` (the default: raw, format 3.1), ``"zstd"`` (byte-shuffle then
+    zstd: the better ratio), ``"lz4"`` (shuffle then lz4: faster) or ``"auto"`` (compress
+    only when the codec is measured to be faster than the storage). Each 1 MiB checksum
+    block is stored compressed or raw, whichever is smaller; checksums, chunk digests,
+    resharded reads and references keep their meaning. A compressed checkpoint is format
+    3.2: shardsafe before 3.2 refuses it (docs/format.md)."""
     return default_checkpointer().save(state_dict, path, overwrite=overwrite, process_group=process_group,
                                        check_replicas=check_replicas, storage_options=storage_options, base=base,
-                                       version_skip=version_skip)
+                                       version_skip=version_skip, compression=compression)
 
 
 def async_save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False, process_group: Any = None,
                max_staging_bytes: int | None = None, check_replicas: bool | None = None,
                storage_options: dict[str, Any] | None = None, base: PathLike | None = None,
-               version_skip: bool = False) -> SaveFuture:
+               version_skip: bool = False, compression: str = "off") -> SaveFuture:
     """Save like :func:`save`, but return once the state is staged in host memory; the
     write and commit run in the background. All ranks call it.
 
@@ -78,10 +85,11 @@ def async_save(state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = 
     state); a larger state streams through them and the call waits longer. Slots are
     kept for later saves. At most one async save per Checkpointer is in flight: a new one
     first waits for the previous one, and raises its error if it failed unobserved.
-    ``base`` and ``version_skip``: as for :func:`save` (decided while staging)."""
+    ``base``, ``version_skip`` and ``compression``: as for :func:`save` (decided while staging)."""
     return default_checkpointer().async_save(state_dict, path, overwrite=overwrite, process_group=process_group,
                                              max_staging_bytes=max_staging_bytes, check_replicas=check_replicas,
-                                             storage_options=storage_options, base=base, version_skip=version_skip)
+                                             storage_options=storage_options, base=base, version_skip=version_skip,
+                                             compression=compression)
 
 
 def wait_for_pending() -> SaveInfo | None:

@@ -30,6 +30,7 @@ from .errors import CheckpointError
 from .exit_settle import guard_destroy, settle_gloo_workers
 from .format.manifest import Manifest
 from .hints import as_keys
+from .ops.compression import check_choice
 from .ops.incremental import VersionMemo
 from .ops.load import DEFAULT_MAX_BUFFER, LoadInfo, LoadOptions, ReadResources, load_full_tree, load_in_place
 from .ops.metadata import fetch_all_indexes, read_manifest_phase
@@ -120,6 +121,8 @@ class Checkpointer:
         self.pin_memory = pin_memory
         self.plans = PlanCache(plan_cache_size)
         self.memo = VersionMemo()  # chunk digests of the last saves (used with version_skip=True)
+        self._bandwidth: dict[int, float] = {}  # id(backend) -> write bandwidth of its last raw save (bytes/s)
+        self._rates: dict[int, dict[str, float]] = {}  # id(backend) -> codec -> chunk bytes/s of its last save
         self.pending: SaveFuture | None = None
         self._groups: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, its dedicated gloo group)
         self._closed = False
@@ -152,26 +155,41 @@ class Checkpointer:
     def save(self, state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
              process_group: Any = None, check_replicas: bool | None = None,
              storage_options: dict[str, Any] | None = None, base: PathLike | None = None,
-             version_skip: bool = False) -> SaveInfo:
+             version_skip: bool = False, compression: str = "off") -> SaveInfo:
         """Save ``state_dict`` at ``path`` crash-safely; see :func:`shardsafe.save`. The
         save in the background of :meth:`async_save`, awaited by the caller."""
         self._check_open()
+        check_choice(compression)
         comm = resolve(process_group)
         staged = self._start(state_dict, path, comm, comm.group, stage_policy(True, self.write_threads),
-                             overwrite, check_replicas, storage_options, base, version_skip)
-        return complete(staged)
+                             overwrite, check_replicas, storage_options, base, version_skip, compression)
+        info = complete(staged)
+        self._learn(staged, info)
+        return info
+
+    def _learn(self, staged: StagedSave, info: SaveInfo) -> None:
+        """Remember a raw save's write bandwidth per backend (what ``compression="auto"``
+        compares against), and the rate each codec reached (ops/compression.py)."""
+        if info.write_bandwidth <= 0 or staged.prep.backend is None:
+            return
+        backend = id(staged.prep.backend)
+        if info.compression == "off":
+            self._bandwidth[backend] = info.write_bandwidth
+        else:
+            self._rates.setdefault(backend, {})[info.compression] = info.write_bandwidth
 
     def async_save(self, state_dict: dict[str, Any], path: PathLike, *, overwrite: bool = False,
                    process_group: Any = None, max_staging_bytes: int | None = None,
                    check_replicas: bool | None = None, storage_options: dict[str, Any] | None = None,
-                   base: PathLike | None = None, version_skip: bool = False) -> SaveFuture:
+                   base: PathLike | None = None, version_skip: bool = False, compression: str = "off") -> SaveFuture:
         """Stage ``state_dict`` and write it in the background; see :func:`shardsafe.async_save`."""
         self._check_open()
+        check_choice(compression)
         self.wait()
         comm = self._async_comm(process_group)
         staged = self._start(state_dict, path, comm, resolve(process_group).group,
                              stage_policy(False, self.write_threads, max_staging_bytes), overwrite, check_replicas,
-                             storage_options, base, version_skip)
+                             storage_options, base, version_skip, compression)
         future = SaveFuture(staged.prep.location)
         future.stage_seconds = staged.seconds
         future._staged.set()
@@ -184,7 +202,7 @@ class Checkpointer:
 
     def _start(self, state_dict: dict[str, Any], path: PathLike, comm: Comm, group: Any, policy: StagePolicy,
                overwrite: bool, check_replicas: bool | None, storage_options: dict[str, Any] | None,
-               base: PathLike | None, version_skip: bool) -> StagedSave:
+               base: PathLike | None, version_skip: bool, compression: str = "off") -> StagedSave:
         """Phases 1-3 of a save (:func:`~shardsafe.ops.save.start`) with this Checkpointer's
         backends, plan cache, memory budget and version memo."""
         backend, location = self.locate(path, storage_options)
@@ -192,7 +210,8 @@ class Checkpointer:
         memo = self.memo if version_skip else None
         if memo is None:
             self.memo.replace({})  # the memo answers for the last save only (and holds its storages)
-        request = SaveRequest(state_dict, backend, location, overwrite, _check(check_replicas), base_location, memo)
+        request = SaveRequest(state_dict, backend, location, overwrite, _check(check_replicas), base_location, memo,
+                              compression, self._bandwidth.get(id(backend)), self._rates.get(id(backend)))
         return start(request, comm, group, self.plans, self.memory, policy, self.pin_memory)
 
     def _base(self, backend: Backend, base: PathLike | None, storage_options: dict[str, Any] | None) -> str | None:

@@ -116,3 +116,8 @@ STALE_AFTER_S = _knob("STALE_AFTER_S", 6 * 3600, "seconds after which a leftover
 EXPORT_BATCH = _knob("EXPORT_BATCH", 16 * MiB, "export reads tensors in batches of about this many bytes")
 COPY_WINDOW = _knob("COPY_WINDOW", 8 * MiB, "shardsafe copy moves a file this many bytes at a time")
 DIFF_SLICE = _knob("DIFF_SLICE", 4 * MiB, "diff compares tensors this many bytes at a time")
+ZIP_MIN_GAIN = _knob("ZIP_MIN_GAIN", 1030, "a block is stored compressed only when raw/compressed >= this/1000 "
+                     "(else raw)", minimum=1000)
+ZSTD_LEVEL = _knob("ZSTD_LEVEL", 1, "zstd level of compression=\"zstd\" (1: fastest; higher: slower, a little smaller)")
+ZIP_PROBE = _knob("ZIP_PROBE", 4 * MiB, "compression=\"auto\": bytes of a save's first blocks compressed once per "
+                  "process to measure the codec's throughput")

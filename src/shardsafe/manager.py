@@ -129,12 +129,13 @@ class CheckpointManager:
         incremental: bool = False,
         full_every: int = 10,
         version_skip: bool = False,
+        compression: str = "off",
     ) -> None:
         self.config = CheckpointConfig(
             folder=str(folder), enable=enable, interval=interval, keep_last=keep_last, keep_every=keep_every,
             keep_best=keep_best, metric=metric, mode=mode, load_only=load_only, async_mode=async_mode,
             max_staging_bytes=max_staging_bytes, exclude_from_loading=exclude_from_loading,  # type: ignore[arg-type]
-            incremental=incremental, full_every=full_every, version_skip=version_skip)
+            incremental=incremental, full_every=full_every, version_skip=version_skip, compression=compression)
         self.folder: Path | str = folder if "://" in os.fspath(folder) else Path(folder)
         self.process_group = process_group
         self.checkpointer = checkpointer if checkpointer is not None else Checkpointer(
@@ -168,7 +169,8 @@ class CheckpointManager:
                   load_only=config.load_only,
                   async_mode=config.async_mode, max_staging_bytes=config.max_staging_bytes,
                   exclude_from_loading=config.exclude_from_loading, process_group=process_group,
-                  incremental=config.incremental, full_every=config.full_every, version_skip=config.version_skip)
+                  incremental=config.incremental, full_every=config.full_every, version_skip=config.version_skip,
+                  compression=config.compression)
         mgr.config = config
         return mgr
 
@@ -285,11 +287,11 @@ class CheckpointManager:
         def start(base: Path | str | None) -> SaveFuture | None:
             if not self._async:
                 self.checkpointer.save(state, path, overwrite=True, process_group=self.process_group, base=base,
-                                       version_skip=skip)
+                                       version_skip=skip, compression=self.config.compression)
                 return None
             return self.checkpointer.async_save(state, path, overwrite=True, process_group=self.process_group,
                                                 max_staging_bytes=self.config.max_staging_bytes, base=base,
-                                                version_skip=skip)
+                                                version_skip=skip, compression=self.config.compression)
 
         try:
             future = start(base)

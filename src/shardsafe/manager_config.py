@@ -50,6 +50,7 @@ class CheckpointConfig:
     incremental: bool = False  # shardsafe's own: refer to unchanged chunks of the newest checkpoint
     full_every: int = 10  # with incremental: every full_every-th save in a chain is a full checkpoint
     version_skip: bool = False  # with incremental: trust tensors' _version counters (see shardsafe.save)
+    compression: str = "off"  # shardsafe's own: "off", "auto", "zstd" or "lz4" (see shardsafe.save)
     enable_first_step_checkpoint: bool = False
     initial_load_path: str | None = None
     initial_load_model_only: bool = True
@@ -70,6 +71,8 @@ class CheckpointConfig:
             raise ValueError(f"async_mode must be one of {ASYNC_MODES}, not {self.async_mode!r}")
         if self.interval <= 0:
             raise ValueError(f"interval must be positive, not {self.interval}")
+        if self.compression not in ("off", "auto", "zstd", "lz4"):
+            raise ValueError(f"compression must be 'off', 'auto', 'zstd' or 'lz4', not {self.compression!r}")
         if self.full_every < 1:
             raise ValueError(f"full_every must be at least 1 (1: every save is full), not {self.full_every}")
         if self.keep_last is not None and self.keep_last <= 0:

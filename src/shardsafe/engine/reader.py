@@ -34,6 +34,7 @@ from ..storage.spill import SpilledHandle, prefetch
 from ..workers import pool
 from .buffers import writable_bytes
 from .memory import HostMemory, Lease
+from .zread import ZHandle
 
 IOV_MAX = 1024
 
@@ -56,6 +57,7 @@ class OpenFiles:
         self.handles: dict[int, ReadHandle] = {}
         self.headers_ok: set[int] = set()
         self._lock = threading.Lock()
+        self.memory: HostMemory | None = None  # compressed blocks' buffers come from it (set by the Reader)
 
     def name(self, index: int) -> str:
         """The printable location of file ``index``."""
@@ -112,6 +114,9 @@ class OpenFiles:
             h = self.handles.get(index)
             if h is None:
                 h = self._open(index)
+                if self.manifest.version >= (3, 2):  # compressed chunks: reads of logical ranges decompress
+                    h = ZHandle(h, lambda: self.manifest.zrows(index), self.manifest.extra["checksum_block"],
+                                self.name(index), lambda: self.memory)
                 self.handles[index] = h
             return h
 
@@ -147,18 +152,29 @@ class OpenFiles:
         if not self.spill:
             return 0
         handles = {f: self.handle(f) for f in ranges}
+        for f, h in list(handles.items()):
+            if isinstance(h, ZHandle):  # compressed chunks: their stored blocks
+                ranges = {**ranges, f: h.stored_ranges(ranges[f])}
+                handles[f] = h.inner
         return prefetch(handles, ranges, threads)  # type: ignore[arg-type]
 
     def forget(self) -> None:
         """Drop what the spills hold (their local disk space is freed)."""
         for h in list(self.handles.values()):
+            h = h.inner if isinstance(h, ZHandle) else h
             if isinstance(h, SpilledHandle):
                 h.forget()
 
     @property
     def fetched(self) -> int:
         """Bytes fetched from remote files (spilled handles only)."""
-        return sum(h.fetched for h in self.handles.values() if isinstance(h, SpilledHandle))
+        inner = [h.inner if isinstance(h, ZHandle) else h for h in self.handles.values()]
+        return sum(h.fetched for h in inner if isinstance(h, SpilledHandle))
+
+    @property
+    def stored_read(self) -> int:
+        """Stored bytes of compressed chunks read so far (format 3.2)."""
+        return sum(h.stored_read for h in self.handles.values() if isinstance(h, ZHandle))
 
     def _manifest_changed(self) -> bool:
         """True when the folder's manifest is no longer the one this load read (an in-place
@@ -219,6 +235,10 @@ def check_header_matches(header: bytes, manifest: Manifest, index: int, where: s
         dtype = torch_dtype(manifest.tensors[key].dtype)
         if dtype is None:
             raise CorruptCheckpointError(f"tensor '{key}': unknown dtype {manifest.tensors[key].dtype!r}")
+        z = manifest.zrow(chunk) if manifest.version >= (3, 2) else None
+        if z is not None:  # a compressed chunk: a U8 entry of its stored bytes
+            claims.append(ClaimedChunk("U8", (z.end - z.start,), z.start, z.end, key))
+            continue
         claims.append(ClaimedChunk(safetensors_code(dtype), tuple(chunk.lengths), chunk.start, chunk.end, key))
     check_chunks_against_header(entries, len(header), claims, where)
 
@@ -335,6 +355,8 @@ class Reader:
     def __init__(self, files: OpenFiles, memory: HostMemory, threads: int = 2,
                  progress: Callable[[int], None] | None = None) -> None:
         self.files = files
+        if files.memory is None:
+            files.memory = memory
         # remote files: fewer, larger requests for what is read without the spill
         self.window = REMOTE_VERIFY_WINDOW if files.spill else VERIFY_WINDOW
         self.memory = memory

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..format.checksum import checksum
+from ..format.codecs import compress
 from ..format.manifest import FileEntry
 from ..format.refs import block_digest, chunk_digest
 from ..knobs import BORROW_STRETCH, COPY_THREADS, PARALLEL_MIN
@@ -55,6 +56,7 @@ class Stretch:
     pieces: list[tuple[int, int, memoryview]]
     lease: Lease | None = None
     events: tuple = ()  # CUDA events recorded after the copies into the slot (one per source device)
+    seq: int = 0  # order of submission (compressed files are written in it)
 
 
 @dataclass
@@ -65,6 +67,9 @@ class WrittenFile:
     entry: FileEntry
     checksums: list[list[str]]
     digests: list[str]
+    ranges: list[tuple[int, int]] | None = None  # compressed file: each chunk's stored byte range
+    stored: list[tuple[int, ...]] | None = None  # compressed file: each compressed chunk's block lengths (() raw)
+    codec: str = ""  # the codec of the compressed chunks ("": none)
 
 
 def _copy_parts(pairs: list[tuple[torch.Tensor, torch.Tensor]], parts: int) -> list[list[tuple]]:
@@ -109,8 +114,13 @@ class FileWriter:
 
     def __init__(self, folder: Folder, plan: FileWrite, source: Source, memory: HostMemory, *, block: int,
                  borrow: bool, threads: int = 1, pin: bool = False, staging_bytes: int | None = None,
-                 write_while_staging: bool = True, durable: bool = True) -> None:
+                 write_while_staging: bool = True, durable: bool = True, codec: str = "",
+                 raw_keys: frozenset[str] = frozenset()) -> None:
         self.plan = plan
+        # Compressed (format 3.2): every chunk but ``raw_keys``' is stored block by block,
+        # compressed with ``codec`` or raw; blocks are written back to back in file order
+        # after a header reserved up front and written last (:class:`_Zip`).
+        self.zip = _Zip(plan, codec, raw_keys, block) if codec else None
         self.memory = memory
         self.block = block
         self.borrow = borrow
@@ -143,7 +153,8 @@ class FileWriter:
         self.n_threads = max(threads, 1 if self.staged_bytes else 0)
         self.handle: WriteHandle = folder.create(plan.name)
         try:
-            self.handle.write([memoryview(plan.header)], 0)
+            if self.zip is None:
+                self.handle.write([memoryview(plan.header)], 0)
         except BaseException:
             self.handle.abort()
             raise
@@ -284,6 +295,9 @@ class FileWriter:
         self.slots.release()
 
     def _submit(self, stretch: Stretch) -> None:
+        if self.zip is not None:
+            stretch.seq = self.zip.submitted
+            self.zip.submitted += 1
         if self.cuda and stretch.lease is not None:
             stretch.events = tuple(_recorded(d) for d in self.devices)
         self.full.put(stretch)
@@ -295,6 +309,9 @@ class FileWriter:
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
+        if self.zip is not None:
+            with self.zip.turn:
+                self.zip.turn.notify_all()
 
     # -- the writers' side ------------------------------------------------------------------
     def _drain(self) -> None:
@@ -320,6 +337,9 @@ class FileWriter:
         pieces are written together, up to one block per call)."""
         for event in stretch.events:
             event.synchronize()  # the slot's copies from that device are done
+        if self.zip is not None:
+            self._write_zipped(stretch)
+            return
         group: list[memoryview] = []
         size = 0
         offset = stretch.offset
@@ -338,6 +358,42 @@ class FileWriter:
         if group:
             self.handle.write(group, offset)
 
+    def _write_zipped(self, stretch: Stretch) -> None:
+        """Hash each block, compress it (or keep it raw) into a buffer leased for the
+        stretch, then, in submission order, take the next bytes of the file and write the
+        stretch's stored blocks there."""
+        z = self.zip
+        assert z is not None
+        out: list[tuple[int, int, memoryview]] = []
+        packed_bytes = sum(len(p) for ci, _, p in stretch.pieces if z.packs[ci])
+        lease = self.memory.lease(packed_bytes, keep=True, wait=False) if packed_bytes else None
+        try:
+            room = memoryview(lease.tensor.numpy()) if lease is not None else memoryview(b"")
+            used = 0
+            for ci, bi, piece in stretch.pieces:
+                self.sums[ci][bi] = checksum(piece)
+                self.wide[ci][bi] = block_digest(piece)
+                packed = compress(z.codec, piece, z.itemsizes[ci]) if z.packs[ci] else None
+                if packed is None:
+                    out.append((ci, bi, piece))
+                    continue
+                room[used: used + len(packed)] = packed  # (shorter than the piece: it fits)
+                out.append((ci, bi, room[used: used + len(packed)]))
+                used += len(packed)
+            offset = z.take(stretch.seq, sum(len(b) for _, _, b in out), lambda: self.error)
+            pos = offset
+            for ci, bi, buf in out:
+                z.stored[ci][bi] = (pos, len(buf))
+                pos += len(buf)
+            bufs = [b for _, _, b in out if len(b)]
+            for i in range(0, len(bufs), IOV_MAX):
+                part = bufs[i: i + IOV_MAX]
+                self.handle.write(part, offset)
+                offset += sum(len(b) for b in part)
+        finally:
+            if lease is not None:
+                lease.release()
+
     def finish(self, help_write: bool = True) -> WrittenFile:
         """Wait for every stretch to be written (this thread helps with ``help_write``),
         make the file durable and return its entry; on any error the file is removed and
@@ -348,6 +404,8 @@ class FileWriter:
             for t in self.threads:
                 t.join()
             self._check()
+            if self.zip is not None:
+                return self._finish_zipped()
             self.handle.finish(self.durable)
         except BaseException:
             self.handle.abort()
@@ -355,6 +413,17 @@ class FileWriter:
         header = self.plan.header
         entry = FileEntry(self.plan.name, self.plan.size, self.plan.rank, len(header), checksum(header))
         return WrittenFile(entry, self.sums, [chunk_digest(w) for w in self.wide])  # type: ignore[arg-type]
+
+    def _finish_zipped(self) -> WrittenFile:
+        """The header (now that stored sizes are known) in its reserved space, then durable."""
+        z = self.zip
+        assert z is not None
+        header, ranges, stored = z.header(self.plan)
+        self.handle.write([memoryview(header)], 0)
+        self.handle.finish(self.durable)
+        entry = FileEntry(self.plan.name, z.cursor, self.plan.rank, len(header), checksum(header))
+        digests = [chunk_digest(w) for w in self.wide]  # type: ignore[arg-type]
+        return WrittenFile(entry, self.sums, digests, ranges, stored, z.codec)  # type: ignore[arg-type]
 
     def abort(self, error: BaseException | None = None) -> None:
         """Stop after a failure elsewhere: writers only release their slots, the file is removed."""
@@ -371,6 +440,62 @@ class FileWriter:
             if s is not None and s.lease is not None:
                 self._release(s.lease)
         self.handle.abort()
+
+
+class _Zip:
+    """A compressed file being written: which chunks are compressed, the reserved header,
+    the order in which stretches take the file's next bytes, each block's stored place."""
+
+    def __init__(self, plan: FileWrite, codec: str, raw_keys: frozenset[str], block: int) -> None:
+        from ..format.datafile import ChunkEntry, _itemsizes, build_header, chunk_name
+
+        self.codec = codec
+        self.packs = [c.key not in raw_keys for c in plan.chunks]
+        self.itemsizes = [_itemsizes()[c.code] for c in plan.chunks]
+        self.names = [chunk_name(c.key, c.box.offsets, c.whole) for c in plan.chunks]
+        # Stored sizes never exceed raw ones, so this header (raw sizes) is the longest the
+        # final one can be: its size is reserved, the final header padded to it.
+        raw = [c.end - c.start for c in plan.chunks]
+        self.entries = lambda sizes: [ChunkEntry(n, "U8" if p else c.code, (m,) if p else c.box.lengths, m)
+                                      for n, p, c, m in zip(self.names, self.packs, plan.chunks, sizes)]
+        self.reserve = len(build_header(self.entries(raw))[0])
+        self.build_header = build_header
+        self.stored: list[list[tuple[int, int] | None]] = [[None] * max(1, -(-n // block)) for n in raw]
+        self.submitted = 0
+        self.next = 0
+        self.cursor = self.reserve
+        self.turn = threading.Condition()
+
+    def take(self, seq: int, n: int, error: Callable[[], BaseException | None]) -> int:
+        """Wait for stretch ``seq``'s turn, then take the file's next ``n`` bytes."""
+        with self.turn:
+            while self.next != seq:
+                failed = error()
+                if failed is not None:
+                    raise failed
+                self.turn.wait(0.5)
+            offset = self.cursor
+            self.cursor += n
+            self.next += 1
+            self.turn.notify_all()
+            return offset
+
+    def header(self, plan: FileWrite) -> tuple[bytes, list[tuple[int, int]], list[tuple[int, ...]]]:
+        """The final header (padded to the reserved size), each chunk's stored range, and
+        each compressed chunk's stored block lengths (() for a raw chunk)."""
+        import struct
+
+        ranges = []
+        stored = []
+        for blocks, pack in zip(self.stored, self.packs):
+            assert all(b is not None for b in blocks)
+            lo = blocks[0][0]  # type: ignore[index]
+            hi = blocks[-1][0] + blocks[-1][1]  # type: ignore[index]
+            ranges.append((lo, hi))
+            stored.append(tuple(b[1] for b in blocks) if pack else ())  # type: ignore[index]
+        header, _ = self.build_header(self.entries([hi - lo for lo, hi in ranges]))
+        text = header[8:] + b" " * (self.reserve - len(header))
+        return struct.pack("<Q", len(text)) + text, ranges, stored
 
 
 class _SlotFill:

@@ -22,9 +22,11 @@ from .chunk_table import HEX, Chunk, ChunkTable
 from .refs import DIGEST_HEX, check_digests
 from .strict_json import _count, _duplicate, _parse_json, _show
 from .values import TENSOR_TAG
+from .zindex import ZTable, parse_ztable, z_columns
 
 INDEX_FORMAT = "shardsafe-index"
 INDEX_VERSION = (3, 1)
+ZIP_VERSION = (3, 2)  # an index with compressed rows (``zchunks``/``zrefs``)
 DATA_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".index.json"
 
@@ -56,17 +58,24 @@ class IndexedChunk:
     sums: list[str]
     digest: str = ""
     ref: int = -1
+    codec: str = ""  # format 3.2: the chunk is stored compressed with this codec ("": raw)
+    stored: tuple[int, ...] = ()  # format 3.2: each checksum block's stored length
 
 
 def build_index(rank: int, header_bytes: int, header_checksum: str, chunks: list[IndexedChunk],
                 local_tensors: dict[str, tuple[str, tuple[int, ...]]], rank_local: dict[str, Any]) -> bytes:
     """The index file's bytes (rows sorted by tensor ordinal, then offsets; references in
     their own ``refs`` table). Every chunk carries its digest."""
-    rows = sorted((c for c in chunks if c.ref < 0), key=lambda c: (c.ordinal, c.offsets))
-    refs = sorted((c for c in chunks if c.ref >= 0), key=lambda c: (c.ordinal, c.offsets))
+    def order(c: IndexedChunk) -> tuple:
+        return (c.ordinal, c.offsets)
+
+    rows = sorted((c for c in chunks if c.ref < 0 and not c.codec), key=order)
+    refs = sorted((c for c in chunks if c.ref >= 0 and not c.codec), key=order)
+    zrows = sorted((c for c in chunks if c.ref < 0 and c.codec), key=order)
+    zrefs = sorted((c for c in chunks if c.ref >= 0 and c.codec), key=order)
     body: dict[str, Any] = {
         "format": INDEX_FORMAT,
-        "version": list(INDEX_VERSION),
+        "version": list(ZIP_VERSION if zrows or zrefs else INDEX_VERSION),
         "rank": rank,
         "header_bytes": header_bytes,
         "header_x": header_checksum,
@@ -77,6 +86,10 @@ def build_index(rank: int, header_bytes: int, header_checksum: str, chunks: list
     }
     if refs:
         body["refs"] = {**_columns(refs), "f": [c.ref for c in refs]}
+    if zrows:
+        body["zchunks"] = z_columns(zrows, _columns)
+    if zrefs:
+        body["zrefs"] = {**z_columns(zrefs, _columns), "f": [c.ref for c in zrefs]}
     return json.dumps(body, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
@@ -115,6 +128,8 @@ class FileIndex:
         self.ref_ordinals: list[int] = []
         self.ref_digests = ""
         self._ref_rows: dict[tuple[int, tuple[int, ...]], int] | None = None
+        self.zchunks: ZTable | None = None  # format 3.2: compressed chunks of this file (logical ranges)
+        self.zrefs: ZTable | None = None  # format 3.2: references to compressed chunks of referenced files
 
     def __len__(self) -> int:
         return len(self.ordinals)
@@ -134,6 +149,11 @@ class FileIndex:
         row = self.row(ordinal, offsets)
         if row is not None:
             return self.table.chunk(row), self.digests[DIGEST_HEX * row: DIGEST_HEX * (row + 1)]
+        for zt in (self.zchunks, self.zrefs):
+            r = None if zt is None else zt.row(ordinal, tuple(offsets))
+            if r is not None:
+                assert zt is not None
+                return zt.table.chunk(r), zt.digests[DIGEST_HEX * r: DIGEST_HEX * (r + 1)]
         if self.refs is None:
             return None
         if self._ref_rows is None:
@@ -147,9 +167,14 @@ class FileIndex:
 
     def referred(self) -> list[tuple[int, Chunk]]:
         """(tensor ordinal, chunk) of every reference row (chunk.file: the manifest's number)."""
-        if self.refs is None:
-            return []
-        return list(zip(self.ref_ordinals, self.refs.chunks(0, len(self.refs))))
+        out = [] if self.refs is None else list(zip(self.ref_ordinals, self.refs.chunks(0, len(self.refs))))
+        if self.zrefs is not None:
+            out += list(zip(self.zrefs.ordinals, self.zrefs.table.chunks(0, len(self.zrefs.ordinals))))
+        return out
+
+    def zrow_count(self) -> int:
+        """Rows of the compressed tables (format 3.2)."""
+        return sum(len(z.ordinals) for z in (self.zchunks, self.zrefs) if z is not None)
 
     def chunk(self, row: int) -> Chunk:
         """Row ``row`` as a :class:`Chunk` of this file (its ``file`` and ``rank`` set)."""
@@ -223,6 +248,9 @@ def _parse_body(body: dict[str, Any], spans: Any, data: bytes, where: str, file:
         _parse_refs(index, body["refs"], ref_files, first_ref, shapes[: len(tensors)], sizes[: len(tensors)], block,
                     rank)
     _check_row_order(ords, table)
+    if "zchunks" in body or "zrefs" in body:
+        _parse_z(index, body, shapes[: len(tensors)], sizes[: len(tensors)], block, header_bytes, nbytes, ref_files,
+                 first_ref)
     members = len(local_json) + sum(len(t) for t in local_json.values())
     if members != spans.counted.get("tensors", members):  # fewer parsed than written: a duplicate key
         dup = _duplicate(data[:-1] if data.endswith(b"}") else data, spans)
@@ -321,6 +349,50 @@ def _parse_refs(index: FileIndex, cols: Any, ref_files: list[tuple[str, int]], f
     table.file_ranks = {first_ref + j: rank for j in range(len(ref_files))}  # type: ignore[assignment]
     table.chunks(0, 0)
     index.refs, index.ref_ordinals = table, ords
+
+
+def _parse_z(index: FileIndex, body: dict[str, Any], shapes: list[tuple[int, ...]], sizes: list[int], block: int,
+             header_bytes: int, nbytes: int, ref_files: list[tuple[str, int]], first_ref: int) -> None:
+    """The compressed tables (format 3.2): ``zchunks`` in this file's data area, ``zrefs``
+    in referenced files (after their first 8 bytes); no box listed twice across tables."""
+    if "zchunks" in body:
+        zt = parse_ztable(body["zchunks"], "zchunks", shapes, sizes, block, [index.rank], [header_bytes], [nbytes],
+                          own_file=index.file)
+        zt.table.file = np.full(len(zt.ordinals), index.file, dtype=np.int64)
+        zt.table.file_ranks = {index.file: index.rank}  # type: ignore[assignment]
+        index.zchunks = zt
+    if "zrefs" in body:
+        if not ref_files:
+            raise CorruptCheckpointError("zrefs rows, but the manifest lists no referenced file")
+        zt = parse_ztable(body["zrefs"], "zrefs", shapes, sizes, block, [index.rank] * len(ref_files),
+                          [8] * len(ref_files), [n for _, n in ref_files], own_file=None)
+        zt.table.file = zt.table.file + first_ref
+        zt.table.file_ranks = {first_ref + j: index.rank for j in range(len(ref_files))}  # type: ignore[assignment]
+        index.zrefs = zt
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    ref_boxes = _ref_boxes(index)
+    for what, zt in (("zchunks", index.zchunks), ("zrefs", index.zrefs)):
+        if zt is None:
+            continue
+        offs, dims = zt.table.offsets.tolist(), zt.table.dims.tolist()
+        previous = None
+        for r, t in enumerate(zt.ordinals):
+            here = (t, tuple(offs[dims[r]: dims[r + 1]]))
+            if (previous is not None and here <= previous) or here in seen or index.row(*here) is not None or (
+                    here in ref_boxes):
+                raise CorruptCheckpointError(f"{what} row {r}: rows are not sorted by tensor and offsets, or tensor "
+                                             f"{t} has two chunks at {list(here[1])}")
+            seen.add(here)
+            previous = here
+        zt.table.chunks(0, 0)
+
+
+def _ref_boxes(index: FileIndex) -> set[tuple[int, tuple[int, ...]]]:
+    """The (tensor, offsets) of the ``refs`` rows."""
+    if index.refs is None:
+        return set()
+    offs, dims = index.refs.offsets.tolist(), index.refs.dims.tolist()
+    return {(t, tuple(offs[dims[r]: dims[r + 1]])) for r, t in enumerate(index.ref_ordinals)}
 
 
 def _check_values(rank_local: dict[str, Any], local: dict[str, Any]) -> None:

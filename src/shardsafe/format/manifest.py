@@ -11,6 +11,7 @@ codec: bytes <-> Manifest is manifest_codec.py (the 3.x codec in manifest_v3.py,
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from .file_index import FileIndex, data_name, index_name, verify_index
 from .manifest_checks import MAX_CHECKSUM_BLOCK, MAX_FILE_NAME_BYTES  # noqa: F401 (re-exported)
 from .refs import RefFile
 from .rules import Backing, Mesh, Rule
+from .zindex import LOGICAL_BASE, ZRow, zrows
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "shardsafe"
@@ -245,6 +247,7 @@ class Manifest:
     meshes: list[Mesh] = field(default_factory=list)  # format 3: the meshes rules refer to
     file_id: str = ""  # format 3: the save id in the data file names ("" or "." + hex)
     refs: list[RefFile] = field(default_factory=list)  # format 3.1: files numbered len(files) + j
+    requires: list[str] = field(default_factory=list)  # format 3.2: features a reader must know ("compression")
 
     def __post_init__(self) -> None:
         self._indexes: dict[int, FileIndex] = {}  # attached by a reader's fetch-indexes phase
@@ -253,6 +256,7 @@ class Manifest:
         self.file_of_rank: dict[int, int] = {f.rank: i for i, f in enumerate(self.files)}
         self._keys = list(self.tensors)
         self._local_keys: dict[tuple[int, int], str] = {}  # (file, ordinal) -> rank-local tensor key
+        self._zrows: dict[int, tuple[int, list[ZRow], list[int]]] = {}  # file -> (indexes seen, its compressed chunks)
         if self.version[0] >= 3:
             for i, entry in enumerate(self.tensors.values()):
                 entry._owner, entry._ord = self, i
@@ -279,7 +283,7 @@ class Manifest:
         files = [FileEntry(data_name(f.rank, file_id), f.nbytes, f.rank, f.header_bytes, f.header_checksum,
                            f.index_bytes, f.index_checksum) for f in self.files]
         return Manifest(self.tree, tensors, files, self.world_size, list(self.rank_local), self.created, self.writer,
-                        self.extra, self.version, self.meshes, file_id, list(self.refs))
+                        self.extra, self.version, self.meshes, file_id, list(self.refs), list(self.requires))
 
     def ref_file(self, file: int) -> RefFile | None:
         """The referenced file numbered ``file`` (None for the checkpoint's own files)."""
@@ -331,7 +335,7 @@ class Manifest:
 
     def listed_rows(self) -> int:
         """The chunk rows (and references) that all file indexes list (all attached)."""
-        return sum(len(ix) + len(ix.ref_ordinals) for ix in map(self.index, range(len(self.files))))
+        return sum(len(ix) + len(ix.ref_ordinals) + ix.zrow_count() for ix in map(self.index, range(len(self.files))))
 
     def check_rule_budget(self) -> None:
         """Once every index is attached: check that their rows back the rules (the rule
@@ -399,6 +403,41 @@ class Manifest:
             out.append(chunk)
         return out
 
+    def zrows(self, file: int) -> list[ZRow]:
+        """Format 3.2: the compressed chunks stored in file ``file`` (own or referenced) that
+        the attached indexes list, sorted by stored start (engine/zread.py reads them)."""
+        return self._zlookup(file)[0]
+
+    def _zlookup(self, file: int) -> tuple[list[ZRow], list[int]]:
+        found = self._zrows.get(file)
+        if found is not None and found[0] == len(self._indexes):
+            return found[1], found[2]
+        sizes = [z for _, z in self._tensor_meta()]
+        rows: dict[tuple[int, int], ZRow] = {}
+        for f, ix in sorted(self._indexes.items()):
+            if ix.zchunks is not None and f == file:
+                rows.update(((r.start, r.end), r) for r in zrows(ix.zchunks, self._keys, sizes, None, f))
+            if ix.zrefs is not None and file >= len(self.files):
+                files = ix.zrefs.table.file.tolist()
+                if file in files:
+                    rows.update(((r.start, r.end), r) for r in zrows(ix.zrefs, self._keys, sizes, files, f)
+                                if r.file == file)
+        out = [rows[k] for k in sorted(rows)]
+        self._zrows[file] = (len(self._indexes), out, [r.logical for r in out])
+        return out, self._zrows[file][2]
+
+    def zrow(self, chunk: Chunk) -> ZRow | None:
+        """Format 3.2: the stored layout of ``chunk`` when it is compressed, else None."""
+        if chunk.start < LOGICAL_BASE:
+            return None
+        rows, logicals = self._zlookup(chunk.file)
+        i = bisect.bisect_left(logicals, chunk.start)
+        while i < len(rows) and logicals[i] == chunk.start:
+            if rows[i].raw == chunk.end - chunk.start:
+                return rows[i]
+            i += 1
+        return None
+
     def key_in_file(self, file: int, ordinal: int) -> str:
         """Format 3: the key of tensor ``ordinal`` of file ``file``'s index (rank-local
         tensors are numbered after the manifest's, per file)."""
@@ -410,8 +449,12 @@ class Manifest:
         chunks are built; for format 3, the file's index lists them."""
         if self.indexed:
             fi = self.index(index)
-            return [(self._keys[t] if t < len(self._keys) else self._local_keys[(index, t)], fi.chunk(r))
-                    for r, t in enumerate(fi.ordinals)]
+            out = [(self._keys[t] if t < len(self._keys) else self._local_keys[(index, t)], fi.chunk(r))
+                   for r, t in enumerate(fi.ordinals)]
+            if fi.zchunks is not None:  # format 3.2: compressed chunks (logical byte ranges)
+                out += [(self._keys[t], c) for t, c in zip(fi.zchunks.ordinals, fi.zchunks.table.chunks(
+                    0, len(fi.zchunks.ordinals)))]
+            return out
         tables = {id(e._table): e._table for e in self.tensors.values() if e._chunks is None and e._table is not None}
         if len(tables) == 1 and all(e._chunks is None for e in self.tensors.values()):
             table = next(iter(tables.values()))

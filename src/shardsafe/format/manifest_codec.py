@@ -24,6 +24,11 @@ def encode_manifest(manifest: Manifest) -> bytes:
         return _seal(encode_v3(manifest) if manifest.indexed else encode_v2(manifest))
 
 
+KNOWN_FEATURES = ("compression",)
+"""Features a manifest's ``requires`` may list (format 3.2+): a reader refuses any other,
+so a later minor step that readers must understand is refused cleanly, never misread."""
+
+
 def decode_manifest(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     """Parse and verify a manifest (format 1.x, 2.x or 3.x); errors name ``where``."""
     with gc_paused():
@@ -49,6 +54,14 @@ def _decode(data: bytes, where: str) -> Manifest:
             f"{where}: format version {version[0]}.{version[1]} is not readable by this shardsafe "
             f"(reads {', '.join(f'{m}.x' for m in READABLE_MAJORS)}); upgrade shardsafe to load it"
         )
+    requires = body.get("requires", [])
+    if not (type(requires) is list and all(type(r) is str for r in requires)):
+        raise CorruptCheckpointError(f"{where}: 'requires' is not a list of feature names")
+    unknown = [r for r in requires if r not in KNOWN_FEATURES]
+    if unknown:
+        raise FormatVersionError(
+            f"{where}: format version {version[0]}.{version[1]} requires {', '.join(map(repr, unknown[:5]))}, which "
+            f"this shardsafe does not support (it knows {', '.join(KNOWN_FEATURES)}); upgrade shardsafe to load it")
     if body.get("checksum_algorithm") != ALGORITHM:
         raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {body.get('checksum_algorithm')!r}")
     try:

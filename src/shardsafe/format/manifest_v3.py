@@ -81,7 +81,7 @@ def decode_v3(body: dict[str, Any], spans: Any, head: bytes, version: tuple[int,
                                      "name of its manifest, a data file or an index")
     manifest = Manifest(tree=body["tree"], tensors=tensors, files=files, world_size=world_size,
                         rank_local=rank_local, created=created, writer=writer, extra=extra, version=version,
-                        meshes=meshes, file_id=file_id, refs=refs)
+                        meshes=meshes, file_id=file_id, refs=refs, requires=list(body.get("requires", [])))
     if rules:
         claimed = sum(r.count_bound() for r in rules)
         manifest.backing = Backing(claimed, allowance(len(rules)), manifest.listed_rows)
@@ -334,6 +334,7 @@ def encode_v3(m: Manifest) -> dict[str, Any]:
     return {
         "format": FORMAT_NAME,
         "version": list(m.version),
+        **({"requires": list(m.requires)} if m.requires else {}),
         "checksum_algorithm": ALGORITHM,
         "created": m.created,
         "writer": m.writer,

@@ -221,7 +221,10 @@ class ShardsafeCheckpointIO(CheckpointIO):
     use (default: one owned by this plugin, released at teardown)."""
 
     def __init__(self, *, async_save: bool = False, verify: bool = True,
-                 checkpointer: Checkpointer | None = None) -> None:
+                 checkpointer: Checkpointer | None = None, compression: str = "off") -> None:
+        from ..ops.compression import check_choice
+
+        self.compression = check_choice(compression)  # "off", "auto", "zstd", "lz4" (see shardsafe.save)
         self.async_save = async_save
         self.verify = verify
         self._given = checkpointer
@@ -250,10 +253,12 @@ class ShardsafeCheckpointIO(CheckpointIO):
         sync or async as configured; every rank of the group calls it."""
         location = os.fspath(path)
         if self.async_save:
-            self.checkpointer.async_save(state, location, overwrite=True, process_group=process_group)
+            self.checkpointer.async_save(state, location, overwrite=True, process_group=process_group,
+                                         compression=self.compression)
             self._pending_path = os.path.abspath(location)
         else:
-            self.checkpointer.save(state, location, overwrite=True, process_group=process_group)
+            self.checkpointer.save(state, location, overwrite=True, process_group=process_group,
+                                   compression=self.compression)
 
     def load_checkpoint(self, path: PathLike, map_location: MapLocation = None,
                         weights_only: bool | None = None) -> dict[str, Any]:

@@ -99,7 +99,10 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
 
     @dataclass(kw_only=True, slots=True)
     class Config(DcpCheckpointManager.Config):
-        """Every field of torchtitan's ``CheckpointManager.Config`` (0.3.0), same meanings."""
+        """Every field of torchtitan's ``CheckpointManager.Config`` (0.3.0), same meanings,
+        plus shardsafe's own ``compression`` ("off", "auto", "zstd", "lz4"; see shardsafe.save)."""
+
+        compression: str = "off"
 
     def __init__(self, config: Config, *, dataloader: Any, model_parts: list[torch.nn.Module], optimizers: Any,
                  lr_schedulers: Any, states: dict[str, Any], sd_adapter: Any, base_folder: str = "") -> None:
@@ -133,7 +136,7 @@ class ShardsafeCheckpointManager(BaseCheckpointManager):
         self.manager = CheckpointManager(
             self.folder, interval=config.interval, keep_last=config.keep_latest_k or None,
             async_mode=config.async_mode, exclude_from_loading=excluded,
-            load_only=config.load_only)
+            load_only=config.load_only, compression=config.compression)
 
     # -- state ------------------------------------------------------------------------
     def _full_state(self) -> dict[str, Any]:

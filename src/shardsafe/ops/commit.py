@@ -21,7 +21,7 @@ from ..engine.writer import WrittenFile
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.checksum import checksum
 from ..format.dtypes import name_itemsize
-from ..format.file_index import FileIndex, IndexedChunk, build_index, data_name, index_name
+from ..format.file_index import ZIP_VERSION, FileIndex, IndexedChunk, build_index, data_name, index_name
 from ..format.manifest import FORMAT_VERSION, FileEntry, Manifest, TensorEntry
 from ..format.refs import RefFile
 from ..format.rules import Mesh
@@ -40,6 +40,7 @@ class FileSummary(NamedTuple):
     index_bytes: int = 0  # its index's size
     index_digest: int = 0  # the index's XXH3-64, as a signed int64
     referred: int = 0  # incremental: bytes of the rank's chunks left in the base's files
+    compressed: int = 0  # 1 when the rank's index has compressed rows (format 3.2)
 
 
 NO_FILE = FileSummary(0)
@@ -59,9 +60,14 @@ def file_result(prep: PreparedSave, written: WrittenFile) -> FileResult:
     order = prep.plan.ordinal()
     local = {tl.key: i for i, tl in enumerate(sorted(prep.described.local, key=lambda t: t.key))}
     base = len(order)
+    ranges = written.ranges or [(c.start, c.end) for c in prep.mine.chunks]
+    stored = written.stored or [()] * len(ranges)
+    prep.zip_stats = (written.codec or "off", sum(c.end - c.start for c in prep.mine.chunks),
+                      sum(hi - lo for lo, hi in ranges))
     chunks = [IndexedChunk(order[c.key] if c.key in order else base + local[c.key], c.box.offsets, c.box.lengths,
-                           c.start, c.end, sums, digest)
-              for c, sums, digest in zip(prep.mine.chunks, written.checksums, written.digests)]
+                           lo, hi, sums, digest, codec=written.codec if z else "", stored=z)
+              for c, sums, digest, (lo, hi), z in zip(prep.mine.chunks, written.checksums, written.digests, ranges,
+                                                      stored)]
     if prep.memo_states:  # version_skip: the digests the memo records once committed
         prep.digests = {(c.key, c.box): d for c, d in zip(prep.mine.chunks, written.digests)}
         keys = list(prep.plan.tensors)
@@ -124,7 +130,8 @@ def _finish(prep: PreparedSave, results: list[FileResult], error: BaseException 
     return SaveInfo(prep.location, mine, len(results), len(prep.described.flat.tensors),
                     time.perf_counter() - prep.t0, prep.plan_cached,
                     prep.backend.retries - prep.retries0 if prep.backend is not None else 0,
-                    sum(r.end - r.start for r in prep.ref_rows), len(prep.ref_rows))
+                    sum(r.end - r.start for r in prep.ref_rows), len(prep.ref_rows), prep.zip_stats[0],
+                    prep.zip_stats[2], prep.zip_stats[1] / prep.zip_stats[2] if prep.zip_stats[2] else 1.0)
 
 
 def _write_index(prep: PreparedSave, entry: FileEntry, index: bytes) -> FileSummary:
@@ -135,7 +142,7 @@ def _write_index(prep: PreparedSave, entry: FileEntry, index: bytes) -> FileSumm
     prep.staging.write_bytes(index_name(entry.name), index)
     digest = int(checksum(index), 16)
     return FileSummary(1, entry.nbytes, len(index), digest - (1 << 64) if digest >= 1 << 63 else digest,
-                       sum(r.end - r.start for r in prep.ref_rows))
+                       sum(r.end - r.start for r in prep.ref_rows), int(index_is_compressed(index)))
 
 
 def _commit(prep: PreparedSave, summaries: list[FileSummary]) -> tuple[str, str] | None:
@@ -153,6 +160,11 @@ def _commit(prep: PreparedSave, summaries: list[FileSummary]) -> tuple[str, str]
             raise
         return describe_error(exc, prep.comm.rank)
     return None
+
+
+def index_is_compressed(index: bytes) -> bool:
+    """True for an index with compressed rows (it says format 3.2)."""
+    return index.startswith(b'{"format":"shardsafe-index","version":[3,2]')
 
 
 def check_index(prep: PreparedSave, entry: FileEntry, index: bytes) -> None:
@@ -184,6 +196,7 @@ def build_manifest(plan: GlobalPlan, summaries: list[FileSummary] | list[list[in
     (or its ints): O(tensors + files), no chunk of a rule tensor listed."""
     files: list[FileEntry] = []
     file_of_rank: dict[int, int] = {}
+    zipped = any(FileSummary(*s).compressed for s in summaries)
     for rank, s in enumerate(FileSummary(*s) for s in summaries):
         if s.has_file:
             file_of_rank[rank] = len(files)
@@ -210,10 +223,11 @@ def build_manifest(plan: GlobalPlan, summaries: list[FileSummary] | list[list[in
         rank_local=_rank_local_keys(tree),
         writer={"shardsafe": __version__, "torch": torch.__version__},
         extra={"checksum_block": CHECKSUM_BLOCK},
-        version=FORMAT_VERSION,
+        version=ZIP_VERSION if zipped else FORMAT_VERSION,
         meshes=list(meshes),
         file_id=file_id,
         refs=list(refs or []),
+        requires=["compression"] if zipped else [],
     )
 
 

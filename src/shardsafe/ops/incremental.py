@@ -32,6 +32,7 @@ from ..format.chunk_table import Chunk
 from ..format.file_index import IndexedChunk
 from ..format.manifest import Manifest
 from ..format.refs import RefFile, block_digest, chunk_digest
+from ..format.zindex import ZRow
 from ..knobs import HASH_PIECE
 from ..layout import Box
 from ..plan.load_plan import Dest
@@ -69,6 +70,7 @@ class Match:
 
     chunk: Chunk
     digest: str
+    z: ZRow | None = None  # format 3.2: the chunk is stored compressed (its stored layout)
 
 
 _MEMOS: weakref.WeakSet[VersionMemo] = weakref.WeakSet()
@@ -203,7 +205,7 @@ def match(base: Base, assigned: list[Assignment], source: Any, meta: dict[str, t
                 continue  # changed: written (and hashed) as usual
             known = full_digest(src, block)
         if known == digest:
-            found[i] = Match(chunk, digest)
+            found[i] = Match(chunk, digest, manifest.zrow(chunk) if manifest.version >= (3, 2) else None)
     return found
 
 
@@ -224,6 +226,10 @@ def reference_rows(found: dict[int, Match], assigned: list[Assignment], ordinal:
     rows = []
     for i, m in found.items():
         a = assigned[i]
+        if m.z is not None:  # a compressed chunk: its stored range and blocks (a ``zrefs`` row)
+            rows.append(IndexedChunk(ordinal[a.key], a.box.offsets, a.box.lengths, m.z.start, m.z.end,
+                                     list(m.chunk.checksum), m.digest, numbering[m.chunk.file], m.z.codec, m.z.lengths))
+            continue
         rows.append(IndexedChunk(ordinal[a.key], a.box.offsets, a.box.lengths, m.chunk.start, m.chunk.end,
                                  list(m.chunk.checksum), m.digest, numbering[m.chunk.file]))
     return rows

@@ -61,6 +61,7 @@ class LoadInfo:
     bytes_received: int = 0  # bytes of replicated tensors received from the rank that read them
     retries: int = 0  # storage requests retried after transient failures
     bytes_fetched: int = 0
+    bytes_stored_read: int = 0  # format 3.2: stored (compressed) bytes read for compressed chunks
 
 
 @dataclass(frozen=True)
@@ -246,10 +247,11 @@ def _load_once(state_dict: dict[str, Any], backend: Backend, location: str, comm
         error = _verify_phases(load, backend, res, opts, max_buffer)
     try:
         comm.agree(error, load.opened.digest if load.opened is not None else None, f" at {location}")
-        copied = 0
+        copied = stored = 0
         try:
             assert load.reader is not None and load.plan is not None and load.opened is not None
             copied = land_phase(load.reader, load.plan, load.mine, max_buffer, block_size(load.opened.manifest))
+            stored = load.reader.files.stored_read
         except Exception as exc:  # noqa: BLE001
             error = exc
         comm.agree(error)
@@ -268,7 +270,7 @@ def _load_once(state_dict: dict[str, Any], backend: Backend, location: str, comm
     comm.agree(error)
     return LoadInfo(location, load.verified if opts.verify else copied, len({f.key for f in result.fills}),
                     time.perf_counter() - t0, copied, bytes_received=received,
-                    retries=backend.retries - retries0, bytes_fetched=load.fetched)
+                    retries=backend.retries - retries0, bytes_fetched=load.fetched, bytes_stored_read=stored)
 
 
 def _match_phases(load: _Load, state_dict: dict[str, Any], backend: Backend, location: str, comm: Comm,

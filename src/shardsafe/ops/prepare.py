@@ -55,6 +55,10 @@ class SaveInfo:
     retries: int = 0  # storage requests retried after transient failures (this rank)
     bytes_referred: int = 0  # incremental: bytes of this rank's chunks left where the base holds them
     chunks_referred: int = 0
+    compression: str = "off"  # the codec this rank's file was written with ("off": raw; docs/format.md)
+    bytes_stored: int = 0  # bytes of this rank's chunks as stored in its data file (compressed or raw)
+    compression_ratio: float = 1.0  # this rank's chunk bytes / bytes_stored
+    write_bandwidth: float = 0.0  # bytes/s this rank's file was written at (compression="auto" learns from it)
 
 
 class PlanCache:
@@ -113,6 +117,7 @@ class PreparedSave:
     digests: dict[tuple[str, Box], str] = field(default_factory=dict)  # this rank's chunk digests, once written
     chain: dict[str, Any] | None = None  # incremental: extra.incremental (base name, depth)
     memo_epoch: int = -1  # version_skip: VersionMemo.epoch() when the sources' states were taken
+    zip_stats: tuple[str, int, int] = ("off", 0, 0)  # codec, chunk bytes, stored bytes (this rank's file)
 
 
 class Announcement(NamedTuple):

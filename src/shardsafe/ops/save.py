@@ -35,6 +35,7 @@ from ..knobs import SYNC_STAGING
 from ..state.context import active_group
 from ..storage.base import Backend
 from .commit import FileResult, file_result, finish, remember
+from .compression import choose
 from .incremental import VersionMemo
 from .prepare import CHECKSUM_BLOCK, PlanCache, PreparedSave, SaveInfo, prepare
 
@@ -78,6 +79,9 @@ class SaveRequest:
     check_replicas: bool = False
     base: str | None = None  # incremental: the base checkpoint's location (same backend)
     memo: VersionMemo | None = None  # version_skip: the chunk digests of the last save
+    compression: str = "off"  # "off", "auto", "zstd" or "lz4" (ops/compression.py)
+    bandwidth: float | None = None  # auto: the storage's write bandwidth measured by an earlier raw save
+    rates: dict[str, float] | None = None  # auto: each codec's rate (raw bytes/s) in an earlier save here
 
 
 @dataclass
@@ -100,11 +104,12 @@ def start(request: SaveRequest, comm: Comm, group: Any, cache: PlanCache, memory
     with active_group(group, comm.rank, comm.world):
         prep = prepare(request.state, request.backend, request.location, request.overwrite, comm, cache,
                        request.check_replicas, request.base, request.memo)
-    return stage(prep, memory, policy, pin, request.memo)
+    return stage(prep, memory, policy, pin, request.memo, request.compression, request.bandwidth, request.rates)
 
 
 def stage(prep: PreparedSave, memory: HostMemory, policy: StagePolicy, pin: bool,
-          memo: VersionMemo | None = None) -> StagedSave:
+          memo: VersionMemo | None = None, compression: str = "off", bandwidth: float | None = None,
+          rates: dict[str, float] | None = None) -> StagedSave:
     """Phase 3: this rank's file's bytes borrowed or copied into the budget's slots (with
     ``policy.write_while_staging``, written as they are)."""
     t0 = time.perf_counter()
@@ -115,9 +120,12 @@ def stage(prep: PreparedSave, memory: HostMemory, policy: StagePolicy, pin: bool
             raise prep.error
         if prep.mine is not None:
             assert prep.staging is not None
+            codec = choose(compression, prep.mine, prep.described.source, policy.threads + int(policy.help_write),
+                           bandwidth, rates)
             writer = FileWriter(prep.staging, prep.mine, prep.described.source, memory, block=CHECKSUM_BLOCK,
                                 borrow=policy.borrow, threads=policy.threads, pin=pin,
-                                staging_bytes=policy.staging_bytes, write_while_staging=policy.write_while_staging)
+                                staging_bytes=policy.staging_bytes, write_while_staging=policy.write_while_staging,
+                                codec=codec, raw_keys=frozenset(t.key for t in prep.described.local))
             writer.start()
             writer.stage()
     except BaseException as exc:  # noqa: BLE001 - the commit reports it to every rank
@@ -133,14 +141,20 @@ def complete(staged: StagedSave) -> SaveInfo:
     rank raises the same error when it fails)."""
     prep, error = staged.prep, staged.error
     results: list[FileResult] = []
+    t0 = time.perf_counter()
+    bandwidth = 0.0
     if staged.writer is not None:
         try:
             written = staged.writer.finish(help_write=staged.policy.help_write)
             if error is None:
                 results = [file_result(prep, written)]
+                seconds = staged.seconds + time.perf_counter() - t0 if staged.policy.write_while_staging else \
+                    time.perf_counter() - t0
+                bandwidth = prep.zip_stats[1] / max(seconds, 1e-9)  # chunk bytes (before compression) per second
         except BaseException as exc:  # noqa: BLE001 - agreed on by finish()
             error = error or exc
     info = finish(prep, results, error)
+    info.write_bandwidth = bandwidth
     if staged.memo is not None:
         remember(prep, staged.memo)
     return info

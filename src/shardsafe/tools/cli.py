@@ -164,6 +164,9 @@ def _add_copy(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("src", help="the checkpoint to copy (path or URL)")
     s.add_argument("dst", help="where to create the copy (path or URL)")
     s.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+    s.add_argument("--compression", choices=["zstd", "lz4", "off"], default=None,
+                   help="write the data files again compressed with this codec, or raw ('off'); default: copy "
+                        "them byte for byte")
 
 
 _EXPORT_FORMATS = {
@@ -251,7 +254,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "copy":
         from .copy import copy_checkpoint
 
-        cr = copy_checkpoint(args.src, args.dst, overwrite=args.overwrite)
+        cr = copy_checkpoint(args.src, args.dst, overwrite=args.overwrite, compression=args.compression)
         _emit(args, {"ok": True, **cr.to_json()}, cr.to_text())
         return EXIT_OK
     raise _Usage(f"unknown command {args.command!r}")  # pragma: no cover - argparse refuses it first

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..checkpoint_folder import begin_save
 from ..checkpointer import Checkpointer
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.checksum import checksum
 from ..format.file_index import data_name, index_name
 from ..format.manifest import FileEntry, Manifest
@@ -66,10 +66,15 @@ def _windows(checks: list[BlockCheck], limit: int) -> list[list[BlockCheck]]:
 
 
 def copy_checkpoint(src: PathLike, dst: PathLike, *, overwrite: bool = False, window: int = WINDOW,
-                    checkpointer: Checkpointer | None = None) -> CopyReport:
+                    checkpointer: Checkpointer | None = None, compression: str | None = None) -> CopyReport:
     """Copy the committed checkpoint at ``src`` to ``dst`` (any two backends), verifying
     every block and header checksum while streaming; ``dst`` is committed last (replacing
-    a checkpoint there only with ``overwrite``). Memory: one window (8 MiB)."""
+    a checkpoint there only with ``overwrite``). Memory: one window (8 MiB).
+
+    ``compression`` ("zstd", "lz4" or "off"): the data files are written again with that
+    codec, or raw (tools/recompress.py; memory: one data file's tensors)."""
+    if compression is not None and compression not in ("zstd", "lz4", "off"):
+        raise CheckpointError(f"compression={compression!r}: expected 'zstd', 'lz4' or 'off'")
     t0 = time.perf_counter()
     cp = checkpointer if checkpointer is not None else Checkpointer()
     total = 0
@@ -80,6 +85,14 @@ def copy_checkpoint(src: PathLike, dst: PathLike, *, overwrite: bool = False, wi
             backend, location = cp.locate(dst)
             target = begin_save(backend, location, overwrite)
             try:
+                if compression is not None:
+                    from ..ops.commit import checked_manifest
+                    from .recompress import recompressed_manifest
+
+                    out, total = recompressed_manifest(manifest, reader, cp, target,
+                                                       "" if compression == "off" else compression)
+                    target.commit(checked_manifest(out), overwrite)
+                    return CopyReport(str(src), str(dst), len(manifest.files), total, time.perf_counter() - t0)
                 files: list[FileEntry] = []  # format 2: new names; format 3 derives them from the save id
                 for index, entry in enumerate(manifest.files):
                     name = data_name(entry.rank, target.suffix, len([f for f in files if f.rank == entry.rank]))
@@ -123,6 +136,8 @@ def _copy_referenced(reader: Any, file: int, folder: Any, name: str, block: int,
                      if chunk.file == file for c in chunk_checks(manifest.key_of(o), chunk, None, block)}.values(),
                     key=lambda c: c.lo)
     handle = reader.files.handle(file)
+    if manifest.version >= (3, 2) and manifest.zrows(file):
+        return _copy_verbatim(reader, file, folder, name, ref.nbytes, checks, window)
     out = folder.create(name)
     try:
         buf = bytearray(max(window, block))
@@ -161,6 +176,9 @@ def _copy_file(reader: Any, index: int, folder: Any, name: str, block: int, wind
     reader.fetch_indexes([index])  # format 3: the file's chunks are listed in its index
     checks = sorted((c for key, chunk in manifest.chunks_in_file(index)
                      for c in chunk_checks(key, chunk, None, block)), key=lambda c: c.lo)
+    if manifest.version >= (3, 2) and manifest.zrows(index):
+        reader.files.check_header(index)
+        return _copy_verbatim(reader, index, folder, name, entry.nbytes, checks, window)
     out = folder.create(name)
     try:
         header = bytearray(entry.header_bytes)
@@ -191,3 +209,32 @@ def _copy_file(reader: Any, index: int, folder: Any, name: str, block: int, wind
         out.abort()
         raise
     return entry.nbytes
+
+
+def _copy_verbatim(reader: Any, file: int, folder: Any, name: str, nbytes: int, checks: list, window: int) -> int:
+    """A file with compressed chunks (format 3.2): every block the checkpoint uses is read
+    and verified (compressed ones decompressed, bounded), then the file's stored bytes
+    are copied as they are; its size."""
+    handle = reader.files.handle(file)
+    for c in checks:
+        view = memoryview(bytearray(c.hi - c.lo))
+        if c.hi > c.lo:
+            handle.read_into([view], c.lo)
+        if checksum(view) != c.expected:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {reader.files.name(file)}, tensor '{c.key}', bytes {c.lo}-{c.hi}")
+    raw = getattr(handle, "inner", handle)
+    out = folder.create(name)
+    try:
+        buf = bytearray(window)
+        pos = 0
+        while pos < nbytes:
+            view = memoryview(buf)[: min(window, nbytes - pos)]
+            raw.read_into([view], pos)
+            out.write([view], pos)
+            pos += len(view)
+        out.finish()
+    except BaseException:
+        out.abort()
+        raise
+    return nbytes

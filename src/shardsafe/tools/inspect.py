@@ -42,11 +42,14 @@ class Row:
     ranks: list[int] | None = None  # saving ranks that wrote its chunks
     value: str | None = None  # brief description of a plain value
     held_in: dict[str, int] | None = None  # incremental: checkpoint ("." = this one) -> bytes of it held there
+    stored: int | None = None  # format 3.2: bytes its chunks take in the data files (compressed or raw)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (without empty members)."""
         d = {"key": self.key, "kind": self.kind, "dtype": self.dtype, "shape": self.shape, "bytes": self.nbytes,
-             "chunks": self.chunks, "ranks": self.ranks, "value": self.value, "held_in": self.held_in}
+             "chunks": self.chunks, "ranks": self.ranks, "value": self.value, "held_in": self.held_in,
+             "stored": self.stored,
+             "ratio": round(self.nbytes / self.stored, 3) if self.stored and self.nbytes is not None else None}
         return {k: v for k, v in d.items() if v is not None}
 
 
@@ -113,7 +116,9 @@ def _describe(row: Row) -> str:
         if row.held_in and set(row.held_in) != {"."}:
             held = "  in " + ", ".join(f"{'this checkpoint' if k == '.' else k} ({human_bytes(v)})"
                                        for k, v in sorted(row.held_in.items()))
-        return f"{row.kind:<10}  {row.dtype:<9} {shape:<16} {human_bytes(row.nbytes or 0):>10}  {chunks}{held}"
+        ratio = f"  stored {human_bytes(row.stored)} ({(row.nbytes or 0) / row.stored:.2f}x)" \
+            if row.stored is not None and row.stored > 0 else ""
+        return f"{row.kind:<10}  {row.dtype:<9} {shape:<16} {human_bytes(row.nbytes or 0):>10}  {chunks}{held}{ratio}"
     return f"{row.kind:<10}  {row.value}"
 
 
@@ -124,7 +129,8 @@ def _row(leaf: Leaf, manifest: Manifest) -> Row:
             return Row("missing", leaf.parts, leaf.key, value="tensor not described in the manifest")
         ranks = sorted({manifest.files[f].rank for _, _, f in entry.boxes()})  # no file index needed
         return Row(entry.kind, leaf.parts, leaf.key, entry.dtype, list(entry.shape), tensor_bytes(entry),
-                   entry.chunk_count, ranks, held_in=_holders(manifest, entry) if manifest.refs else None)
+                   entry.chunk_count, ranks, held_in=_holders(manifest, entry) if manifest.refs else None,
+                   stored=_stored(manifest, entry) if manifest.version >= (3, 2) else None)
     if leaf.kind == "rank_local":
         per_rank = manifest.rank_local.get(leaf.node[RANK_LOCAL_TAG]) or []
         n = sum(1 for v in per_rank if v is not None)
@@ -135,6 +141,15 @@ def _row(leaf: Leaf, manifest: Manifest) -> Row:
     except Exception as exc:  # noqa: BLE001 - a bad value is shown, not fatal
         text = f"<undecodable: {exc}>"
     return Row("value", leaf.parts, leaf.key, value=text)
+
+
+def _stored(manifest: Manifest, entry: TensorEntry) -> int:
+    """Format 3.2: the bytes a tensor's chunks take as stored (reads the file indexes)."""
+    total = 0
+    for c in entry.chunks:
+        z = manifest.zrow(c)
+        total += c.end - c.start if z is None else z.end - z.start
+    return total
 
 
 def _holders(manifest: Manifest, entry: TensorEntry) -> dict[str, int]:

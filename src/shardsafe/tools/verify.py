@@ -285,7 +285,8 @@ def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | Non
             report.chunks += 1
             if c.file not in usable or len(c.checksum) != max(1, -(-(c.end - c.start) // block)):
                 continue  # reported above / by _geometry
-            if c.end > sizes[c.file]:
+            z = manifest.zrow(c) if manifest.version >= (3, 2) else None  # compressed: its stored range
+            if (z.end if z is not None else c.end) > sizes[c.file]:
                 report.problems.append(Problem("chunk lies past the end of the file (truncated)",
                                                name_of(c.file), key, c.start, c.end))
                 continue

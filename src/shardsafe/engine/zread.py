@@ -1,0 +1,158 @@
+"""Reading compressed chunks (format 3.2) through their logical byte ranges.
+
+A file index gives each compressed chunk a logical byte range beyond the file's real
+bytes (format/zindex.py). :class:`ZHandle` wraps a data file's handle: reads below
+``LOGICAL_BASE`` go to the file unchanged; a read of logical bytes reads the stored
+blocks that hold them (each block once: a small per-thread cache keeps the last blocks
+decompressed, so the rows of a box that share a block cost one read), decompresses each
+with its declared length as the bound, and checks it against its block checksum before
+any byte of it is handed out. A block that does not decompress to its declared length,
+or whose checksum differs, is a CorruptCheckpointError naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable, Sequence
+
+from ..errors import CorruptCheckpointError
+from ..format.checksum import checksum
+from ..format.codecs import CodecError, decompress_into
+from ..format.zindex import LOGICAL_BASE, ZRow, stored_key
+from ..storage.base import ReadHandle
+from .memory import HostMemory, Lease
+
+CACHED_BLOCKS = 2  # decompressed blocks each reading thread keeps
+
+
+class ZHandle(ReadHandle):
+    """A data file's handle that also answers reads of its compressed chunks' logical
+    ranges. ``rows()`` returns the file's compressed chunks (sorted by stored start);
+    ``where`` names the file in errors; ``block``: the checksum block size."""
+
+    def __init__(self, inner: ReadHandle, rows: Callable[[], list[ZRow]], block: int, where: str,
+                 memory: Callable[[], HostMemory | None] = lambda: None) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.size = inner.size
+        self._rows_of = rows
+        self._rows: list[ZRow] = []
+        self._starts: list[int] = []
+        self.block = block
+        self.where = where
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.stored_read = 0  # stored bytes read for logical reads (tests, tools)
+        self._memory = memory  # the budget the block buffers are leased from (None: plain buffers)
+        self._leases: set[Lease] = set()  # every lease the threads' caches hold (released by close)
+
+    def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
+        if offset < LOGICAL_BASE:
+            self.inner.read_into(buffers, offset)
+            return
+        pos = offset
+        for buf in buffers:
+            done, n = 0, len(buf)
+            while done < n:
+                row = self._row(pos)
+                b = row.block_at(pos, self.block)
+                data = self._block(row, b)
+                within = pos - (row.logical + b * self.block)
+                take = min(len(data) - within, n - done)
+                buf[done: done + take] = data[within: within + take]
+                done += take
+                pos += take
+
+    def _row(self, logical: int) -> ZRow:
+        for attempt in range(2):
+            i = bisect.bisect_right(self._starts, stored_key(logical)) - 1
+            if i >= 0:
+                row = self._rows[i]
+                if row.logical <= logical < row.logical + row.raw:
+                    return row
+            if attempt == 0:
+                with self._lock:
+                    self._rows = self._rows_of()
+                    self._starts = [r.start for r in self._rows]
+        raise CorruptCheckpointError(f"{self.where}: logical byte {logical} is in no compressed chunk the index lists")
+
+    def _block(self, row: ZRow, b: int) -> memoryview:
+        """Block ``b`` of ``row``, decompressed and verified (from this thread's cache)."""
+        cache: list[tuple[tuple[int, int], memoryview, Lease | None]] = getattr(self._local, "cache", None) or []
+        self._local.cache = cache
+        key = (row.logical, b)
+        for k, view, _ in cache:
+            if k == key:
+                return view
+        lo = row.start + row.offset(b)
+        n = row.lengths[b]
+        raw = min(self.block, row.raw - b * self.block)
+        stored, stored_lease = self._buffer(n)
+        try:
+            if n:
+                self.inner.read_into([stored], lo)
+            with self._lock:
+                self.stored_read += n
+            out, lease = self._buffer(raw)
+            what = f"{self.where}, tensor '{row.key}', stored block at bytes {lo}-{lo + n}"
+            try:
+                decompress_into(row.codec, stored, row.itemsize, out)
+                if checksum(out) != row.sums[b]:
+                    raise CorruptCheckpointError(f"checksum mismatch in {what} (decompressed): the data is corrupt")
+            except CodecError as exc:
+                self._drop(lease)
+                raise CorruptCheckpointError(f"{what}: {exc}: the data is corrupt") from None
+            except BaseException:
+                self._drop(lease)
+                raise
+        finally:
+            self._drop(stored_lease)
+        cache.append((key, out, lease))
+        if len(cache) > CACHED_BLOCKS:
+            self._drop(cache.pop(0)[2])
+        return out
+
+    def _buffer(self, n: int) -> tuple[memoryview, Lease | None]:
+        """``n`` bytes leased from the budget (counted at once: a reading thread holds at
+        most a few blocks), or plain memory without a budget."""
+        memory = self._memory()
+        if memory is None:
+            return memoryview(bytearray(n)), None
+        lease = memory.lease(n, keep=True, wait=False)
+        with self._lock:
+            self._leases.add(lease)
+        return memoryview(lease.tensor.numpy())[:n], lease
+
+    def _drop(self, lease: Lease | None) -> None:
+        if lease is not None:
+            with self._lock:
+                self._leases.discard(lease)
+            lease.release()
+
+    def stored_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The stored byte ranges that logical/real ``ranges`` read (remote prefetch)."""
+        out = []
+        for lo, hi in ranges:
+            if lo < LOGICAL_BASE:
+                out.append((lo, hi))
+                continue
+            pos = lo
+            while pos < hi:
+                row = self._row(pos)
+                b0 = row.block_at(pos, self.block)
+                end = min(hi, row.logical + row.raw)
+                b1 = row.block_at(end - 1, self.block)
+                out.append((row.start + row.offset(b0), row.start + row.offset(b1 + 1)))
+                pos = end
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            leases, self._leases = list(self._leases), set()
+        for lease in leases:
+            lease.release()
+        self.inner.close()
+
+
+__all__ = ["ZHandle"]
