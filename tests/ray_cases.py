@@ -120,7 +120,7 @@ def train_loop(config: dict[str, Any]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     so = config.get("storage_options")
     save_opts = {"async_save": config.get("async_save", False), "incremental": config.get("incremental", False),
-                 "storage_options": so}
+                 "compression": config.get("compression", "off"), "storage_options": so}
 
     def log(entry: dict[str, Any]) -> None:
         if rank == 0:

@@ -206,13 +206,13 @@ def _s3_fs(server: Any, bucket: str) -> tuple[Any, str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def reference(cluster, s3_server, tmp_path_factory):
     """The uninterrupted 2-worker run, its storage on the moto S3 server: saves at steps 2,
-    4, 6, 8 (incremental), Ray keeps 2 by the lowest ``score`` (4 and 8; 2 and 6 dropped)."""
+    4, 6, 8 (incremental, zstd-compressed), Ray keeps 2 by the lowest ``score`` (4 and 8; 2 and 6 dropped)."""
     tmp = tmp_path_factory.mktemp("ray-ref")
     bucket = s3_server.new_bucket()
     fs, storage, options = _s3_fs(s3_server, bucket)
     scores = {"2": 3.0, "4": 1.0, "6": 4.0, "8": 2.0}
     result = fit("reference", storage, 2, tmp, fs=fs, interval=2, incremental=True, scores=scores,
-                 storage_options=options,
+                 storage_options=options, compression="zstd",
                  checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="score",
                                                     checkpoint_score_order="min"))
     entries = ray_cases.read_log(str(tmp / "log.jsonl"), "reference")
@@ -241,7 +241,9 @@ def test_retention_follows_ray_incremental_s3(reference) -> None:
             location = f"{folder}/step-{step:08d}"
             report = verify_checkpoint(location, checkpointer=cp)
             assert report.ok, report
-            refs |= {r.checkpoint for r in cp.read_manifest(location).refs if r.checkpoint}
+            manifest = cp.read_manifest(location)
+            assert manifest.requires == ["compression"], manifest.requires  # compression="zstd" reached the saves
+            refs |= {r.checkpoint for r in manifest.refs if r.checkpoint}
             saved, loaded = dumped(tmp, "reference", "saved", step), cp.load_full(location)["train"]
             assert_bitwise(saved["model"], loaded["model"], f"step {step} model")
             assert_bitwise(saved["optim"]["state"], loaded["optim"]["state"], f"step {step} optimizer")

@@ -137,13 +137,15 @@ class RayCheckpointing:
     after the background commit), ``incremental`` / ``full_every`` (refer to unchanged
     chunks of the previous step, see docs/incremental.md), ``storage_options`` (for
     ``s3://``: endpoint, credentials; default the AWS environment variables),
-    ``memory_budget`` (host bytes for staging, per worker)."""
+    ``memory_budget`` (host bytes for staging, per worker), ``compression`` ("off",
+    "auto", "zstd" or "lz4": see shardsafe.save)."""
 
     def __init__(self, *, async_save: bool = False, incremental: bool = False, full_every: int = 10,
-                 storage_options: dict[str, Any] | None = None, memory_budget: int | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, memory_budget: int | None = None,
+                 compression: str = "off") -> None:
         self.options = {"async_save": bool(async_save), "incremental": bool(incremental),
                         "full_every": int(full_every), "storage_options": dict(storage_options or {}),
-                        "memory_budget": memory_budget}
+                        "memory_budget": memory_budget, "compression": compression}
         self.checkpointer = Checkpointer(storage_options=self.options["storage_options"], memory_budget=memory_budget)
         self._manager: CheckpointManager | None = None
         self._storage: Any = None
@@ -153,7 +155,7 @@ class RayCheckpointing:
     def configure(self, *, storage_options: dict[str, Any] | None = None, **save_options: Any) -> None:
         """Check ``storage_options`` and ``memory_budget`` (when given) against this
         session's, and set the save options (``async_save``, ``incremental``,
-        ``full_every``) until the first save fixes them; a different value afterwards is a
+        ``full_every``, ``compression``) until the first save fixes them; a different value afterwards is a
         ValueError naming it. None (or an option left out) keeps the session's value."""
         given = {**({} if storage_options is None else {"storage_options": dict(storage_options)}), **save_options}
         for name, value in given.items():
@@ -192,7 +194,8 @@ class RayCheckpointing:
             # interval 1: report saves whenever it is called; retention comes from Ray (retain), not keep_last
             self._manager = CheckpointManager(
                 self.data_folder(), interval=1, async_mode="async" if opts["async_save"] else "disabled",
-                incremental=opts["incremental"], full_every=opts["full_every"], checkpointer=self.checkpointer)
+                incremental=opts["incremental"], full_every=opts["full_every"], compression=opts["compression"],
+                checkpointer=self.checkpointer)
         return self._manager
 
     # -- report ------------------------------------------------------------------------
@@ -337,13 +340,14 @@ def _session(storage_options: dict[str, Any] | None, **save_options: Any) -> Ray
 
 
 def report(state: Any, metrics: Mapping[str, Any], *, step: int, async_save: bool = False,
-           incremental: bool = False, full_every: int = 10, storage_options: dict[str, Any] | None = None) -> None:
+           incremental: bool = False, full_every: int = 10, storage_options: dict[str, Any] | None = None,
+           compression: str = "off") -> None:
     """Save the whole training ``state`` (a TrainState or any state tree) as step ``step``
     straight into the run's storage, each worker writing its own shards, and report it to
     Ray with ``metrics`` (no second copy, no upload). Every worker calls it. See
     :class:`RayCheckpointing` for the options."""
     _session(storage_options, async_save=async_save, incremental=incremental,
-             full_every=full_every).report(state, metrics, step=step)
+             full_every=full_every, compression=compression).report(state, metrics, step=step)
 
 
 def restore(state: Any, *, checkpoint: Any = None, strict: bool = True,
