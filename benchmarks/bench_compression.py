@@ -32,6 +32,8 @@ Parts
   3. Save and load of the fp32 state through shardsafe with compression off / zstd / lz4 /
      auto on (a) the local disk (fsync'd saves, warm page cache loads), (b) the local disk
      behind storage/faults.py's throttle at --throttle-mbps (200 MB/s) for writes and reads,
+     with a page cache for re-reads (throttle_cache: a verified load reads each block twice,
+     to hash it, then to land it; the cache is emptied before each load, so loads are cold),
      (c) moto's S3 server on loopback (as bench_s3.py starts it). One untimed save and load
      per mode first ("auto" learns the storage's bandwidth from raw saves); then per
      repetition all saves (rotated order), then all loads (rotated), each load into a zeroed
@@ -40,10 +42,12 @@ Parts
      shardsafe refuses is skipped with a line saying so (and without compression= at all,
      only "off" runs).
   4. Reshard 4 -> 2: the fp32 state as DTensors (Shard(0)) saved by 4 gloo ranks with
-     compression (zstd; off as the control), loaded by 2 ranks through a counting
-     FaultyBackend; read amplification = bytes the 2 ranks read from data files (summed) /
-     the data files' size (together they need every stored byte once; a compressed block
-     that straddles two ranks' shards is read by both). LoadInfo.bytes_read shown too.
+     compression (zstd; off as the control), loaded by 2 ranks through a FaultyBackend
+     that records every read; read amplification = bytes of data files each rank read at
+     least once, summed over the 2 ranks / the data files' size (together they need every
+     stored byte once; a compressed block that straddles two ranks' shards is read by
+     both). Every read counted (a verified load reads a block to hash it, then to land it)
+     and LoadInfo.bytes_read / bytes_stored_read (where present) are shown too.
 Noise: other CPU load (busy CPUs not used by this process) per repetition, as bench_single.
 """
 
@@ -241,9 +245,13 @@ def make_tiers(work: Path, mbps: float, moto: Any) -> list[Tier]:
     from shardsafe.storage.faults import FaultyBackend
 
     tiers = [Tier("local disk", shardsafe.Checkpointer(), lambda n: work / n, _dir_size, remove)]
-    slow = FaultyBackend(throttle_write_bps=mbps * 1e6, throttle_read_bps=mbps * 1e6)
-    tiers.append(Tier(f"local disk @ {mbps:.0f} MB/s", shardsafe.Checkpointer(storage=slow), lambda n: work / n,
-                      _dir_size, remove, slow))
+    try:
+        slow = FaultyBackend(throttle_write_bps=mbps * 1e6, throttle_read_bps=mbps * 1e6, throttle_cache=True)
+        tiers.append(Tier(f"local disk @ {mbps:.0f} MB/s", shardsafe.Checkpointer(storage=slow), lambda n: work / n,
+                          _dir_size, remove, slow))
+    except TypeError as exc:
+        print(f"the installed shardsafe's storage/faults.py has no throttle ({exc}): the {mbps:.0f} MB/s tier "
+              f"is skipped")
     if moto is not None:
         from bench_s3 import ss_options
 
@@ -288,6 +296,8 @@ def part_tiers(tiers: list[Tier], state: dict, dest: dict, modes: list[str], has
             for mode in rotated(modes, r):
                 _zero(dest)
                 before = tier.backend.bytes_read if tier.backend is not None else 0
+                if tier.backend is not None:
+                    tier.backend.forget()  # cold reads: the disk's page cache starts empty
                 gc.collect()
                 t0 = time.perf_counter()
                 tier.cp.load(dest, paths[mode])
@@ -316,11 +326,13 @@ def _print_tier(name: str, rec: dict, modes: list[str], payload: int, reps: int)
         sv = [o / s for o, s in zip(off["save"], d["save"])]
         ld = [o / s for o, s in zip(off["load"], d["load"])]
         codecs = sorted(set(d["codec"]))
-        rows.append([m, "/".join(codecs), f"{payload / median(d['stored']):.3f}", _fmt_range(d["save"], "{:.2f}"),
+        read = f"{median(d['read']) / median(d['stored']):.2f}" if d["read"] else "-"
+        rows.append([m, "/".join(codecs), f"{payload / median(d['stored']):.3f}", read,
+                     _fmt_range(d["save"], "{:.2f}"),
                      f"{payload / median(d['save']) / 1e6:.0f}", _fmt_range(d["load"], "{:.2f}"),
                      f"{payload / median(d['load']) / 1e6:.0f}", _fmt_range(sv, "{:.2f}"), _fmt_range(ld, "{:.2f}")])
-    print(md_table(["compression", "codec used", "ratio", "save s", "save MB/s", "load s", "load MB/s",
-                    "off/this save", "off/this load"], rows, "llrrrrrrr"))
+    print(md_table(["compression", "codec used", "ratio", "load read (all reads) / stored", "save s", "save MB/s",
+                    "load s", "load MB/s", "off/this save", "off/this load"], rows, "llrrrrrrrr"))
 
 
 # ============================================================================ part 4: reshard 4 -> 2
@@ -347,30 +359,60 @@ def c_rs_save(rank: int, world: int, flat_file: str, path: str, mode: str, has_a
     return {"bytes_written": info.bytes_written, "codec": str(getattr(info, "compression", "off"))}
 
 
-def c_rs_load(rank: int, world: int, flat_file: str, path: str) -> dict:
-    from collections import Counter
+def _counting_backend() -> Any:
+    """A FaultyBackend (no faults) that records every read's file, offset and length."""
+    from shardsafe.storage.faults import FaultyBackend, FaultyFolder, FaultyRead
 
-    from shardsafe.storage.faults import FaultyBackend
+    class Read(FaultyRead):
+        def read_into(self, buffers: Any, offset: int) -> None:
+            n = sum(memoryview(b).nbytes for b in buffers)
+            with self.backend._lock:
+                self.backend.ranges.setdefault(self.where, []).append((offset, offset + n))
+            super().read_into(buffers, offset)
+
+    class Folder(FaultyFolder):
+        def open_read(self, name: str) -> Any:
+            self._check("open_read", name)
+            return Read(self.backend, self.inner.open_read(name), self.where(name))
+
+        def open_folder(self, name: str, create: bool = False) -> Any:
+            self._check("open_folder", name)
+            return Folder(self.backend, self.inner.open_folder(name, create))
 
     class Counting(FaultyBackend):
         def __init__(self) -> None:
             super().__init__()
-            self.by_name: Counter[str] = Counter()
+            self.ranges: dict[str, list[tuple[int, int]]] = {}
 
-        def check(self, op: str, name: str, where: str, nbytes: int = 0) -> None:
-            super().check(op, name, where, nbytes)
-            if op == "read":
-                self.by_name[name] += nbytes
+        def open(self, location: str, create: bool = False) -> Any:
+            return Folder(self, self.inner.open(location, create))
 
-    state, full = _dtensors(flat_file, world, zero=True)
-    backend = Counting()
+    return Counting()
+
+
+def _union(ranges: list[tuple[int, int]]) -> int:
+    """Bytes covered by the [lo, hi) ranges."""
+    total, end = 0, -1
+    for lo, hi in sorted(ranges):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
+def c_rs_load(rank: int, world: int, flat_file: str, path: str) -> dict:
+    state, _ = _dtensors(flat_file, world, zero=True)
+    backend = _counting_backend()
     info = shardsafe.Checkpointer(storage=backend).load(state, path)
     expect, _ = _dtensors(flat_file, world, zero=False)
     for k, dt in state["t"].items():
         if not torch.equal(dt.to_local().view(torch.uint8), expect["t"][k].to_local().view(torch.uint8)):
             raise RuntimeError(f"reshard load: {k} differs on rank {rank}")
-    data = sum(n for name, n in backend.by_name.items() if name.endswith(".safetensors"))
-    return {"data_read": data, "all_read": backend.bytes_read, "info_bytes_read": getattr(info, "bytes_read", None),
+    data = {w: r for w, r in backend.ranges.items() if w.endswith(".safetensors")}
+    return {"data_distinct": sum(_union(r) for r in data.values()),
+            "data_read": sum(hi - lo for r in data.values() for lo, hi in r),
+            "all_read": backend.bytes_read, "info_bytes_read": getattr(info, "bytes_read", None),
+            "info_stored_read": getattr(info, "bytes_stored_read", None),
             "local": sum(dt.to_local().nbytes for dt in state["t"].values())}
 
 
@@ -393,19 +435,26 @@ def part_reshard(state: dict, work: Path, modes: list[str], has_arg: bool) -> di
             path = work / f"rs-{mode}"
             rs = pool.run(c_rs_load, flat_file, str(path))
             files = sum(f.stat().st_size for f in path.rglob("*.safetensors"))
-            out[mode].update(load=rs, data_files=files, amplification=sum(r["data_read"] for r in rs) / files)
+            out[mode].update(load=rs, data_files=files, amplification=sum(r["data_distinct"] for r in rs) / files,
+                             amplification_total=sum(r["data_read"] for r in rs) / files)
             remove(path)
     remove(flat_file)
     rows = []
     for mode, d in out.items():
         rs = d["load"]
         info_read = [r["info_bytes_read"] for r in rs]
+        stored_read = [r["info_stored_read"] for r in rs]
         rows.append([mode, "/".join(sorted({s["codec"] for s in d["save"]})), _mib(d["data_files"]),
-                     _mib(sum(r["data_read"] for r in rs)), f"{d['amplification']:.3f}",
-                     _mib(sum(info_read)) if None not in info_read else "-", _mib(sum(r["local"] for r in rs))])
-    print("\n### Reshard 4 -> 2 (fp32 + AdamW as Shard(0) DTensors; read through a counting FaultyBackend)\n")
-    print(md_table(["compression", "codec", "data files", "read from data files (2 ranks)", "read / files",
-                    "LoadInfo.bytes_read (sum)", "destination bytes"], rows, "llrrrrr"))
+                     _mib(sum(r["data_distinct"] for r in rs)), f"{d['amplification']:.3f}",
+                     _mib(sum(r["data_read"] for r in rs)), f"{d['amplification_total']:.3f}",
+                     _mib(sum(info_read)) if None not in info_read else "-",
+                     _mib(sum(stored_read)) if None not in stored_read else "-", _mib(sum(r["local"] for r in rs))])
+    print("\n### Reshard 4 -> 2 (fp32 + AdamW as Shard(0) DTensors; reads recorded through a FaultyBackend; "
+          "distinct = bytes of data files read at least once by a rank, summed over the 2 ranks; all = every read, "
+          "a byte read twice (verify, then land) counted twice)\n")
+    print(md_table(["compression", "codec", "data files", "read, distinct", "distinct / files", "read, all",
+                    "all / files", "LoadInfo.bytes_read (sum)", "LoadInfo.bytes_stored_read (sum)",
+                    "destination bytes"], rows, "llrrrrrrrr"))
     return out
 
 

@@ -62,3 +62,23 @@ def test_throttled_save_and_load_round_trip(tmp_path):
     assert torch.equal(dest["a"].view(torch.int32), state["a"].view(torch.int32))
     assert torch.equal(dest["b"].view(torch.int16), state["b"].view(torch.int16))
     assert dest["step"] == 7
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_throttle_cache_charges_a_reread_once(tmp_path, cache):
+    backend = FaultyBackend(throttle_write_bps=256 * MiB, throttle_read_bps=256 * MiB, throttle_cache=cache)
+    folder = backend.open(str(tmp_path), create=True)
+    data = bytes(range(256)) * (4 * MiB // 256)
+    folder.write_bytes("f", data)
+    assert backend.write_throttle.bytes == len(data)
+    got = bytearray(len(data))
+    for _ in range(2):
+        with folder.open_read("f") as h:
+            h.read_into([memoryview(got)[: MiB], memoryview(got)[MiB:]], 0)
+    assert got == data
+    assert backend.bytes_read == 2 * len(data)
+    assert backend.read_throttle.bytes == (1 if cache else 2) * len(data)
+    backend.forget()
+    with folder.open_read("f") as h:
+        h.read_into([memoryview(got)], 0)
+    assert backend.read_throttle.bytes == (2 if cache else 3) * len(data)

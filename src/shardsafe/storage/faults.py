@@ -101,14 +101,18 @@ class FaultyBackend(Backend):
     is called before every operation. ``throttle_write_bps`` / ``throttle_read_bps``: at
 most that many bytes per second written (``write``, ``publish``) / read (``read``), all
 threads and folders of this backend together (:class:`Throttle`; ``throttle_burst``
-bytes may go unpaced after an idle spell). ``written`` / ``bytes_read``: bytes that went
-through, for accounting (a load's read amplification)."""
+bytes may go unpaced after an idle spell); with ``throttle_cache`` a read pays only for
+the bytes of its file not read through this backend before (a page cache in front of a
+slow disk: a verified load reads each block twice, to hash it, then to land it;
+:meth:`forget` empties it). ``written`` / ``bytes_read``: bytes that went through, for
+accounting (a load's read amplification)."""
 
     def __init__(self, inner: Backend | None = None, faults: Iterable[Fault] = (), *, exchange: bool = True,
                  locks: bool = True, renames: bool = True, write_delay: float = 0.0,
                  write_gate: threading.Event | None = None, gate_skip: int = 0, hidden: Iterable[str] = (),
                  on_op: Callable[[str, str], None] | None = None, throttle_write_bps: float | None = None,
-                 throttle_read_bps: float | None = None, throttle_burst: int = 0) -> None:
+                 throttle_read_bps: float | None = None, throttle_burst: int = 0,
+                 throttle_cache: bool = False) -> None:
         self.inner = inner if inner is not None else LocalBackend()
         self.faults = list(faults)
         self.exchange = exchange
@@ -124,6 +128,7 @@ through, for accounting (a load's read amplification)."""
         self.bytes_read = 0
         self.write_throttle = None if throttle_write_bps is None else Throttle(throttle_write_bps, throttle_burst)
         self.read_throttle = None if throttle_read_bps is None else Throttle(throttle_read_bps, throttle_burst)
+        self.cache: dict[str, list[tuple[int, int]]] | None = {} if throttle_cache else None
         self._lock = threading.Lock()
 
     # -- the rule ---------------------------------------------------------------------
@@ -154,6 +159,29 @@ through, for accounting (a load's read amplification)."""
                 exc = OSError(f.errno, os.strerror(f.errno), where)
                 raise storage_error(exc, f"{op} (injected)", where) from exc
 
+    def uncached(self, where: str, lo: int, hi: int) -> int:
+        """Bytes of ``[lo, hi)`` of file ``where`` that the throttle must carry: all of them
+        without ``throttle_cache``, else those not read before (now remembered)."""
+        if self.cache is None:
+            return hi - lo
+        with self._lock:
+            runs = self.cache.setdefault(where, [])
+            new = hi - lo - sum(max(0, min(b, hi) - max(a, lo)) for a, b in runs)
+            merged: list[tuple[int, int]] = []
+            for a, b in sorted([*runs, (lo, hi)]):
+                if merged and a <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+                else:
+                    merged.append((a, b))
+            self.cache[where] = merged
+            return new
+
+    def forget(self) -> None:
+        """Empty the read cache of ``throttle_cache`` (a cold cache: a new job, or a reboot)."""
+        with self._lock:
+            if self.cache is not None:
+                self.cache.clear()
+
     # -- Backend ----------------------------------------------------------------------
     def open(self, location: str, create: bool = False) -> Folder:
         return FaultyFolder(self, self.inner.open(location, create))
@@ -183,9 +211,11 @@ class FaultyRead(ReadHandle):
         self.name, self.size = inner.name, inner.size
 
     def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
-        n = sum(memoryview(b).nbytes for b in buffers)
-        self.backend.check("read", self.name, self.where, n)
-        paced(self.backend.read_throttle, n, lambda: self.inner.read_into(buffers, offset))
+        b = self.backend
+        n = sum(memoryview(x).nbytes for x in buffers)
+        b.check("read", self.name, self.where, n)
+        paid = b.uncached(self.where, offset, offset + n) if b.read_throttle is not None else n
+        paced(b.read_throttle, paid, lambda: self.inner.read_into(buffers, offset))
 
     def close(self) -> None:
         self.inner.close()
