@@ -24,12 +24,18 @@ BLOCK = 1 * MiB  # shardsafe's CHECKSUM_BLOCK default: compression works per blo
 
 
 def _batch(cfg: dict, g: torch.Generator, device: str) -> torch.Tensor:
-    """A batch with learnable structure (a noisy repeating pattern), so the loss falls and
-    the weights move away from their initialization the way training moves them."""
-    base = torch.randint(0, cfg["vocab"], (cfg["batch"], 8), generator=g)
-    tokens = base.repeat(1, cfg["seq"] // 8 + 2)[:, : cfg["seq"] + 1]
-    noise = torch.rand(tokens.shape, generator=g) < 0.1
-    tokens = torch.where(noise, torch.randint(0, cfg["vocab"], tokens.shape, generator=g), tokens)
+    """A batch with learnable structure, so the loss falls and the weights move away from
+    their initialization the way training moves them: tokens drawn Zipf-like (a few ids
+    common, most rare, as in text), each followed by a fixed successor with probability
+    1/2 (a bigram to learn)."""
+    v = cfg["vocab"]
+    probs = 1.0 / (torch.arange(v, dtype=torch.float64) + 10.0)
+    succ = torch.randperm(v, generator=torch.Generator().manual_seed(7))
+    draws = torch.multinomial(probs, cfg["batch"] * (cfg["seq"] + 1), replacement=True, generator=g)
+    tokens = draws.view(cfg["batch"], cfg["seq"] + 1)
+    follow = torch.rand(tokens.shape, generator=g) < 0.5
+    for i in range(1, tokens.shape[1]):
+        tokens[:, i] = torch.where(follow[:, i], succ[tokens[:, i - 1]], tokens[:, i])
     return tokens.to(device)
 
 
@@ -56,7 +62,7 @@ def train(cfg: dict, steps: int, autocast: bool, seed: int = 0) -> tuple[torch.n
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
     secs = time.perf_counter() - t0
     model.cpu()
     for st in opt.state.values():
