@@ -41,6 +41,7 @@ bench: install
 	$(PY) benchmarks/bench_async.py
 	$(PY) benchmarks/bench_export.py
 	$(PY) benchmarks/bench_s3.py
+	$(PY) benchmarks/bench_compression.py
 
 faults: install
 	$(PY) -m faults.campaign

@@ -5,6 +5,10 @@ seam instead of patching module attributes.
 Operations, as named in :class:`Fault` and counted in ``FaultyBackend.calls``: ``create``,
 ``write``, ``finish`` (fsync + close), ``open_read``, ``read``, ``remove``,
 ``remove_tree``, ``rename``, ``exchange``, ``sync``, ``lock``, ``open_folder``.
+
+It also throttles: ``throttle_write_bps`` / ``throttle_read_bps`` cap the bytes per second
+that all the backend's writes (or reads) move together, whatever the number of threads:
+a slow disk or a slow link in front of a fast one (see :class:`Throttle`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,48 @@ from .local import LocalBackend, storage_error
 
 if TYPE_CHECKING:
     from ..budget import HostMemory
+
+
+class Throttle:
+    """A token bucket of ``rate`` bytes/s holding at most ``burst`` bytes (default 0: strict
+    pacing), shared by every thread that passes bytes through it. :meth:`reserve` books
+    ``n`` bytes on the link (behind the bytes booked before) and returns when they are
+    through; :meth:`pace` does the operation, then waits out what is left of its booking,
+    so the operation's own time overlaps the wait: the throttle is a ceiling, never added
+    latency. Over any run, ``bytes`` moved take at least ``(bytes - burst) / rate``
+    seconds from the first booking."""
+
+    def __init__(self, rate: float, burst: int = 0) -> None:
+        if not rate > 0:
+            raise ValueError(f"a throttle needs a rate above 0 bytes/s, not {rate!r}")
+        self.rate = float(rate)
+        self.burst = max(0, int(burst))
+        self.bytes = 0  # bytes booked so far
+        self.waited = 0.0  # seconds callers slept
+        self._free_at = 0.0  # when the link has sent everything booked
+        self._lock = threading.Lock()
+
+    def book(self, n: int) -> float:
+        """Book ``n`` bytes; the time (``time.monotonic``) at which they are through."""
+        with self._lock:
+            now = time.monotonic()
+            start = max(self._free_at, now - self.burst / self.rate)
+            self._free_at = start + n / self.rate
+            self.bytes += n
+            return self._free_at
+
+    def wait_until(self, until: float) -> None:
+        delay = until - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+            with self._lock:
+                self.waited += delay
+
+    def pace(self, n: int, op: Callable[[], None]) -> None:
+        """Run ``op`` (moving ``n`` bytes) and return no sooner than the link allows."""
+        until = self.book(n) if n > 0 else 0.0
+        op()
+        self.wait_until(until)
 
 
 @dataclass
@@ -52,12 +98,21 @@ class FaultyBackend(Backend):
     manifest in place); ``write_delay`` sleeps before each write; ``write_gate`` (an Event) blocks each write
     after the first ``gate_skip`` ones until it is set; ``hidden`` names are left out of
     folder listings (a stale listing, as NFS attribute caches give); ``on_op(op, name)``
-    is called before every operation."""
+    is called before every operation. ``throttle_write_bps`` / ``throttle_read_bps``: at
+most that many bytes per second written (``write``, ``publish``) / read (``read``), all
+threads and folders of this backend together (:class:`Throttle`; ``throttle_burst``
+bytes may go unpaced after an idle spell); with ``throttle_cache`` a read pays only for
+the bytes of its file not read through this backend before (a page cache in front of a
+slow disk: a verified load reads each block twice, to hash it, then to land it;
+:meth:`forget` empties it). ``written`` / ``bytes_read``: bytes that went through, for
+accounting (a load's read amplification)."""
 
     def __init__(self, inner: Backend | None = None, faults: Iterable[Fault] = (), *, exchange: bool = True,
                  locks: bool = True, renames: bool = True, write_delay: float = 0.0,
                  write_gate: threading.Event | None = None, gate_skip: int = 0, hidden: Iterable[str] = (),
-                 on_op: Callable[[str, str], None] | None = None) -> None:
+                 on_op: Callable[[str, str], None] | None = None, throttle_write_bps: float | None = None,
+                 throttle_read_bps: float | None = None, throttle_burst: int = 0,
+                 throttle_cache: bool = False) -> None:
         self.inner = inner if inner is not None else LocalBackend()
         self.faults = list(faults)
         self.exchange = exchange
@@ -70,6 +125,10 @@ class FaultyBackend(Backend):
         self.on_op = on_op
         self.calls: Counter[str] = Counter()
         self.written = 0
+        self.bytes_read = 0
+        self.write_throttle = None if throttle_write_bps is None else Throttle(throttle_write_bps, throttle_burst)
+        self.read_throttle = None if throttle_read_bps is None else Throttle(throttle_read_bps, throttle_burst)
+        self.cache: dict[str, list[tuple[int, int]]] | None = {} if throttle_cache else None
         self._lock = threading.Lock()
 
     # -- the rule ---------------------------------------------------------------------
@@ -82,6 +141,8 @@ class FaultyBackend(Backend):
             before = self.written
             if op == "write":
                 self.written += nbytes
+            elif op == "read":
+                self.bytes_read += nbytes
             for f in self.faults:
                 if f.op != op or (f.name is not None and f.name not in name):
                     continue
@@ -93,8 +154,33 @@ class FaultyBackend(Backend):
                 f.fired += 1
                 if op == "write":
                     self.written -= nbytes
+                elif op == "read":
+                    self.bytes_read -= nbytes
                 exc = OSError(f.errno, os.strerror(f.errno), where)
                 raise storage_error(exc, f"{op} (injected)", where) from exc
+
+    def uncached(self, where: str, lo: int, hi: int) -> int:
+        """Bytes of ``[lo, hi)`` of file ``where`` that the throttle must carry: all of them
+        without ``throttle_cache``, else those not read before (now remembered)."""
+        if self.cache is None:
+            return hi - lo
+        with self._lock:
+            runs = self.cache.setdefault(where, [])
+            new = hi - lo - sum(max(0, min(b, hi) - max(a, lo)) for a, b in runs)
+            merged: list[tuple[int, int]] = []
+            for a, b in sorted([*runs, (lo, hi)]):
+                if merged and a <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+                else:
+                    merged.append((a, b))
+            self.cache[where] = merged
+            return new
+
+    def forget(self) -> None:
+        """Empty the read cache of ``throttle_cache`` (a cold cache: a new job, or a reboot)."""
+        with self._lock:
+            if self.cache is not None:
+                self.cache.clear()
 
     # -- Backend ----------------------------------------------------------------------
     def open(self, location: str, create: bool = False) -> Folder:
@@ -111,14 +197,25 @@ class FaultyBackend(Backend):
         return self.inner.exists(location)
 
 
+def paced(throttle: Throttle | None, n: int, op: Callable[[], None]) -> None:
+    """``op`` through ``throttle`` when there is one."""
+    if throttle is None:
+        op()
+    else:
+        throttle.pace(n, op)
+
+
 class FaultyRead(ReadHandle):
     def __init__(self, backend: FaultyBackend, inner: ReadHandle, where: str) -> None:
         self.backend, self.inner, self.where = backend, inner, where
         self.name, self.size = inner.name, inner.size
 
     def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
-        self.backend.check("read", self.name, self.where, sum(len(b) for b in buffers))
-        self.inner.read_into(buffers, offset)
+        b = self.backend
+        n = sum(memoryview(x).nbytes for x in buffers)
+        b.check("read", self.name, self.where, n)
+        paid = b.uncached(self.where, offset, offset + n) if b.read_throttle is not None else n
+        paced(b.read_throttle, paid, lambda: self.inner.read_into(buffers, offset))
 
     def close(self) -> None:
         self.inner.close()
@@ -135,8 +232,9 @@ class FaultyWrite(WriteHandle):
             b.write_gate.wait()
         if b.write_delay:
             time.sleep(b.write_delay)
-        b.check("write", self.name, self.where, sum(memoryview(x).nbytes for x in buffers))
-        self.inner.write(buffers, offset)
+        n = sum(memoryview(x).nbytes for x in buffers)
+        b.check("write", self.name, self.where, n)
+        paced(b.write_throttle, n, lambda: self.inner.write(buffers, offset))
 
     def finish(self, durable: bool = True) -> None:
         try:
@@ -214,7 +312,7 @@ class FaultyFolder(Renaming):
 
     def publish_bytes(self, name: str, data: bytes, replace: bool) -> None:
         self._check("publish", name)
-        self.inner.publish_bytes(name, data, replace)
+        paced(self.backend.write_throttle, len(data), lambda: self.inner.publish_bytes(name, data, replace))
 
     def exchange(self, a: str, b: str) -> bool:
         if not self.backend.exchange or not self.backend.renames:
