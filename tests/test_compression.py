@@ -129,6 +129,34 @@ def test_partial_load_reads_only_needed_blocks(tmp_path):
     assert info.bytes_stored_read <= 1.1 * sum(z["s"])
 
 
+def test_verified_load_decompresses_each_block_once(tmp_path, monkeypatch):
+    """The verify pass keeps the blocks it decompressed and checked (BlockCache): landing
+    reuses them, so a verified load reads the stored bytes once; without the cache (or
+    beyond the memory budget's room) they are read and decompressed again."""
+    from shardsafe import knobs
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4096, 512, generator=g) * 0.02  # 8 MiB: 8 blocks
+    shardsafe.save({"w": w}, tmp_path / "ck", compression="zstd")
+    stored = sum(_index(tmp_path / "ck")["zchunks"]["s"])
+    dest = {"w": torch.empty_like(w)}
+    info = shardsafe.load(dest, tmp_path / "ck")
+    assert _bitwise(dest["w"], w)
+    assert info.bytes_stored_read <= 1.05 * stored, (info.bytes_stored_read, stored)
+    monkeypatch.setattr(knobs, "ZIP_CACHE", 0)
+    dest = {"w": torch.empty_like(w)}
+    info = shardsafe.load(dest, tmp_path / "ck")
+    assert _bitwise(dest["w"], w)
+    assert info.bytes_stored_read >= 1.9 * stored, (info.bytes_stored_read, stored)
+    monkeypatch.undo()
+    with shardsafe.Checkpointer(memory_budget=3 << 20) as cp:  # room for a few blocks only: never exceeded
+        dest = {"w": torch.empty_like(w)}
+        info = cp.load(dest, tmp_path / "ck")
+        assert _bitwise(dest["w"], w)
+        assert cp.memory.in_use == 0
+        assert stored * 1.05 < info.bytes_stored_read < 2.05 * stored
+
+
 def test_tools_on_compressed(tmp_path):
     state = _state()
     shardsafe.save(state, tmp_path / "a", compression="zstd")

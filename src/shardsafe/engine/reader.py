@@ -34,7 +34,7 @@ from ..storage.spill import SpilledHandle, prefetch
 from ..workers import pool
 from .buffers import writable_bytes
 from .memory import HostMemory, Lease
-from .zread import ZHandle
+from .zread import BlockCache, ZHandle
 
 IOV_MAX = 1024
 
@@ -58,6 +58,7 @@ class OpenFiles:
         self.headers_ok: set[int] = set()
         self._lock = threading.Lock()
         self.memory: HostMemory | None = None  # compressed blocks' buffers come from it (set by the Reader)
+        self.blocks = BlockCache(lambda: self.memory)  # verified decompressed blocks, kept for landing
 
     def name(self, index: int) -> str:
         """The printable location of file ``index``."""
@@ -116,7 +117,7 @@ class OpenFiles:
                 h = self._open(index)
                 if self.manifest.version >= (3, 2):  # compressed chunks: reads of logical ranges decompress
                     h = ZHandle(h, lambda: self.manifest.zrows(index), self.manifest.extra["checksum_block"],
-                                self.name(index), lambda: self.memory)
+                                self.name(index), lambda: self.memory, self.blocks)
                 self.handles[index] = h
             return h
 
@@ -209,6 +210,7 @@ class OpenFiles:
             for h in self.handles.values():
                 h.close()
             self.handles.clear()
+            self.blocks.close()
             for folder in self.ref_folders.values():
                 folder.close()
             self.ref_folders.clear()

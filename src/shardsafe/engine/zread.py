@@ -8,6 +8,13 @@ decompressed, so the rows of a box that share a block cost one read), decompress
 with its declared length as the bound, and checks it against its block checksum before
 any byte of it is handed out. A block that does not decompress to its declared length,
 or whose checksum differs, is a CorruptCheckpointError naming the file and tensor.
+
+A load reads each block twice (the verify pass, then landing): :class:`BlockCache`, one
+per load shared by its files' handles, keeps verified blocks (up to ``knobs.ZIP_CACHE``
+bytes, and only while the memory budget has room) so landing does not decompress them
+again. It fills in reading order and never evicts (a sequential pass over more than it
+holds would evict every block before its second use under LRU); what does not fit is
+decompressed again.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import bisect
 import threading
 from collections.abc import Callable, Sequence
 
+from .. import knobs
 from ..errors import CorruptCheckpointError
 from ..format.checksum import checksum
 from ..format.codecs import CodecError, decompress_into
@@ -25,6 +33,56 @@ from .memory import HostMemory, Lease
 
 CACHED_BLOCKS = 2  # decompressed blocks each reading thread keeps
 
+_Key = tuple[int, int, int]  # (the handle's id, its row's logical start, block)
+
+
+class BlockCache:
+    """Verified decompressed blocks of one load, shared by its files (see the module doc)."""
+
+    def __init__(self, memory: Callable[[], HostMemory | None], capacity: int | None = None) -> None:
+        self.capacity = knobs.ZIP_CACHE if capacity is None else capacity
+        self._memory = memory
+        self._lock = threading.Lock()
+        self._blocks: dict[_Key, tuple[memoryview, Lease | None]] = {}
+        self.held = 0
+        self.hits = 0
+
+    def get(self, key: _Key) -> memoryview | None:
+        """The block under ``key`` when it is kept."""
+        with self._lock:
+            got = self._blocks.get(key)
+            if got is None:
+                return None
+            self.hits += 1
+            return got[0]
+
+    def keep(self, key: _Key, data: memoryview) -> None:
+        """Keep a copy of verified block ``data`` when the capacity and the budget allow."""
+        n = len(data)
+        memory = self._memory()
+        with self._lock:
+            if key in self._blocks or self.held + n > self.capacity:
+                return
+            if memory is not None and memory.limit is not None and memory.in_use + n > memory.limit:
+                return
+            self.held += n
+        if memory is None:
+            view, lease = memoryview(bytearray(n)), None
+        else:
+            lease = memory.lease(n, wait=False)
+            view = memoryview(lease.tensor.numpy())[:n]
+        view[:] = data
+        with self._lock:
+            self._blocks[key] = (view, lease)
+
+    def close(self) -> None:
+        """Release every kept block."""
+        with self._lock:
+            blocks, self._blocks, self.held = list(self._blocks.values()), {}, 0
+        for _, lease in blocks:
+            if lease is not None:
+                lease.release()
+
 
 class ZHandle(ReadHandle):
     """A data file's handle that also answers reads of its compressed chunks' logical
@@ -32,7 +90,7 @@ class ZHandle(ReadHandle):
     ``where`` names the file in errors; ``block``: the checksum block size."""
 
     def __init__(self, inner: ReadHandle, rows: Callable[[], list[ZRow]], block: int, where: str,
-                 memory: Callable[[], HostMemory | None] = lambda: None) -> None:
+                 memory: Callable[[], HostMemory | None] = lambda: None, shared: BlockCache | None = None) -> None:
         self.inner = inner
         self.name = inner.name
         self.size = inner.size
@@ -46,6 +104,7 @@ class ZHandle(ReadHandle):
         self.stored_read = 0  # stored bytes read for logical reads (tests, tools)
         self._memory = memory  # the budget the block buffers are leased from (None: plain buffers)
         self._leases: set[Lease] = set()  # every lease the threads' caches hold (released by close)
+        self._shared = shared  # the load's verified blocks, kept across its passes
 
     def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
         if offset < LOGICAL_BASE:
@@ -85,6 +144,10 @@ class ZHandle(ReadHandle):
         for k, view, _ in cache:
             if k == key:
                 return view
+        if self._shared is not None:
+            kept = self._shared.get((id(self), *key))
+            if kept is not None:
+                return kept
         lo = row.start + row.offset(b)
         n = row.lengths[b]
         raw = min(self.block, row.raw - b * self.block)
@@ -108,6 +171,8 @@ class ZHandle(ReadHandle):
                 raise
         finally:
             self._drop(stored_lease)
+        if self._shared is not None:
+            self._shared.keep((id(self), *key), out)
         cache.append((key, out, lease))
         if len(cache) > CACHED_BLOCKS:
             self._drop(cache.pop(0)[2])
@@ -155,4 +220,4 @@ class ZHandle(ReadHandle):
         self.inner.close()
 
 
-__all__ = ["ZHandle"]
+__all__ = ["BlockCache", "ZHandle"]
