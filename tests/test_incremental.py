@@ -687,3 +687,26 @@ def test_killed_save_cleanup_deletes_nothing_beside_an_unreadable_manifest(tmp_p
     with LocalBackend().open(str(folder)) as f:
         assert clean_in_place(f, now=time.time() + 7 * 3600) == []
     assert (folder / "data-r00000-00.safetensors").exists()
+
+
+def test_a_retired_checkpoint_whose_kept_files_shrink_is_pruned(tmp_path):
+    """Retention prunes a retired checkpoint down to the files still referred to, also when
+    that set shrinks (a retired.json is never replaced: it was, and the refused overwrite
+    left the files on disk for good); the whole folder goes once nothing is referred to."""
+    import shardsafe.checkpoint_folder as cf
+    from shardsafe.storage.local import LocalBackend
+
+    step = tmp_path / "step-00000001"
+    step.mkdir()
+    for n in ("a", "b", "c"):
+        (step / n).write_bytes(n.encode() * 10)
+    (step / "retired.json").write_text(json.dumps({"format": "shardsafe-retired", "keep": ["a", "b"]}))
+    with LocalBackend().open(str(tmp_path)) as parent:
+        assert cf.retired_files(parent, "step-00000001") == {"a", "b"}
+        cf.prune_retired(parent, "step-00000001", {"a"})
+        assert sorted(p.name for p in step.iterdir()) == ["a", "retired.json"]
+        assert cf.retired_files(parent, "step-00000001") == {"a"}
+        with pytest.raises(CheckpointError, match=r"does not list \['b'\]"):
+            cf.prune_retired(parent, "step-00000001", {"a", "b"})
+        cf.prune_retired(parent, "step-00000001", set())
+    assert not step.exists()

@@ -147,17 +147,18 @@ kept incremental checkpoints still refer to, as ``{"format": "shardsafe-retired"
 
 
 def retired_files(parent: Folder, name: str) -> set[str] | None:
-    """The files retired checkpoint ``name`` keeps for others, or None when ``name`` is not
-    a retired checkpoint (a committed one, or none)."""
+    """The files retired checkpoint ``name`` keeps for others (those of its ``keep`` list
+    still there), or None when ``name`` is not a retired checkpoint (a committed one, or none)."""
 
     try:
         with parent.open_folder(name) as f:
             if f.kind(MANIFEST_NAME) is not None:
                 return None
             data = f.read_bytes(RETIRED_NAME, 1 << 26)
+            present = set(f.names())
     except CheckpointError:
         return None
-    return _keep_list(data)
+    return _keep_list(data) & present
 
 
 def _keep_list(data: bytes) -> set[str]:
@@ -188,11 +189,15 @@ def retire_checkpoint(parent: Folder, name: str, keep: set[str]) -> None:
 def prune_retired(parent: Folder, name: str, keep: set[str]) -> None:
     """Delete the files of retired checkpoint ``name`` outside ``keep``; the whole folder
     once nothing in it is referred to."""
-    import json
-
     with parent.open_folder(name) as f:
-        if keep and retired_files(parent, name) != keep:
-            f.write_bytes(RETIRED_NAME, json.dumps({"format": "shardsafe-retired", "keep": sorted(keep)}).encode())
+        listed = retired_files(parent, name)
+        if keep and listed is not None and not keep <= listed:
+            # never happens through retention (references only shrink); a retired.json is
+            # created once and never replaced (no backend replaces a file in place)
+            raise CheckpointError(f"retired checkpoint {name} does not list {sorted(keep - listed)} as kept")
+        # A keep list that shrank stays as it is: a superset keeps only files that are gone
+        # (retired_files counts those still there), and no crash can leave the folder with
+        # neither a manifest nor a retired.json.
         for n in f.names():
             if n not in keep and n != RETIRED_NAME:
                 with contextlib.suppress(CheckpointNotFoundError):
