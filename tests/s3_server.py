@@ -18,30 +18,17 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 KEY = "testing"
 REGION = "us-east-1"
 
 
-class MotoS3:
-    """moto's S3 server in this process, on a free loopback port."""
+class Buckets:
+    """Bucket chores on any S3 server, through its boto3 ``client``."""
 
-    name = "moto"
-
-    def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self.server.start()
-        host, port = self.server.get_host_and_port()
-        self.endpoint = f"http://{host}:{port}"
-        self.port = port
-        import boto3
-
-        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name=REGION, aws_access_key_id=KEY,
-                                   aws_secret_access_key=KEY)
+    client: Any
 
     def new_bucket(self) -> str:
         """A fresh, empty bucket."""
@@ -70,6 +57,26 @@ class MotoS3:
     def uploads(self, bucket: str) -> list[str]:
         """Keys of unfinished multipart uploads."""
         return [u["Key"] for u in self.client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+class MotoS3(Buckets):
+    """moto's S3 server in this process, on a free loopback port."""
+
+    name = "moto"
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        self.port = port
+        import boto3
+
+        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name=REGION, aws_access_key_id=KEY,
+                                   aws_secret_access_key=KEY)
 
     def stop(self) -> None:
         self.server.stop()

@@ -23,6 +23,8 @@ import time
 import uuid
 from pathlib import Path
 
+from s3_server import Buckets
+
 KEY = "testing"
 REGION = "us-east-1"
 START_TIMEOUT = 90  # seconds until the gateway creates a bucket (about 4-5 s on an idle machine)
@@ -60,7 +62,7 @@ def _free_ports(n: int) -> list[int]:
             return ports
 
 
-class WeedS3:
+class WeedS3(Buckets):
     """``weed server -s3`` on free loopback ports, in its own process group and folder."""
 
     name = "seaweedfs"
@@ -118,34 +120,6 @@ class WeedS3:
                     tail = Path(self.dir, "stderr").read_text(errors="replace")[-2000:]
                     raise RuntimeError(f"weed server did not start in {timeout:.0f} s:\n{tail}") from None
                 time.sleep(0.25)
-
-    def new_bucket(self) -> str:
-        """A fresh, empty bucket."""
-        name = f"b-{uuid.uuid4().hex[:16]}"
-        self.client.create_bucket(Bucket=name)
-        return name
-
-    def drop_bucket(self, name: str) -> None:
-        """Delete every object, unfinished upload and the bucket itself."""
-        with contextlib.suppress(Exception):
-            for up in self.client.list_multipart_uploads(Bucket=name).get("Uploads", []):
-                self.client.abort_multipart_upload(Bucket=name, Key=up["Key"], UploadId=up["UploadId"])
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=name):
-                keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-                if keys:
-                    self.client.delete_objects(Bucket=name, Delete={"Objects": keys})
-            self.client.delete_bucket(Bucket=name)
-
-    def keys(self, bucket: str, prefix: str = "") -> list[str]:
-        """Every key under ``prefix``."""
-        out = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            out += [o["Key"] for o in page.get("Contents", [])]
-        return sorted(out)
-
-    def uploads(self, bucket: str) -> list[str]:
-        """Keys of unfinished multipart uploads."""
-        return [u["Key"] for u in self.client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
 
     def stop(self) -> None:
         """Kill the process group, wait for it, remove the folder (idempotent)."""
