@@ -46,7 +46,9 @@ def _index(path) -> dict:
 def test_round_trip_bitwise(tmp_path, codec):
     state = _state()
     info = shardsafe.save(state, tmp_path / "ck", compression=codec)
-    expect = {"auto": ("off",), "off": ("off",)}.get(codec, (codec,))
+    # auto's choice depends on what the process's default Checkpointer measured before
+    # (test_auto_* check the rule itself); the round trip must hold whatever it chose
+    expect = {"auto": ("off", "zstd", "lz4"), "off": ("off",)}.get(codec, (codec,))
     assert info.compression in expect
     m = shardsafe.read_manifest(tmp_path / "ck")
     if info.compression == "off":

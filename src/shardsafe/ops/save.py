@@ -158,3 +158,19 @@ def complete(staged: StagedSave) -> SaveInfo:
     if staged.memo is not None:
         remember(prep, staged.memo)
     return info
+
+
+def write_one_file(folder: Any, plan: Any, source: Any, memory: HostMemory, *, block: int, codec: str,
+                   raw_keys: frozenset[str]) -> Any:
+    """Write one data file outside a save (``shardsafe copy --compression``): the same
+    writer as a save, borrowing ``source``'s tensors on one thread; aborted (nothing left
+    behind) when staging fails. Returns the writer's account (ranges, checksums, digests)."""
+    writer = FileWriter(folder, plan, source, memory, block=block, borrow=True, threads=1, codec=codec,
+                        raw_keys=raw_keys)
+    writer.start()
+    try:
+        writer.stage()
+    except BaseException as exc:
+        writer.abort(exc)
+        raise
+    return writer.finish()

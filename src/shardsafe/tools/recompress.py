@@ -4,7 +4,7 @@ again with another codec (format 3.2), or raw.
 Each data file of the source is rewritten with the same chunks in the same order: every
 chunk is read (a compressed one decompressed, bounded by its blocks' declared lengths) and
 its block checksums verified, then the file is written by the save's own
-:class:`~shardsafe.engine.writer.FileWriter` with the chosen codec, and its index rebuilt
+:class:`~shardsafe.engine.writer.FileWriter` (``ops.save.write_one_file``) with the chosen codec, and its index rebuilt
 (the same rows, rank-local values and tensors; block checksums and chunk digests are over
 the uncompressed bytes, so they come out unchanged). Memory: one data file's chunks at a
 time. Checkpoints that refer to other checkpoints' files (incremental) are refused: copy
@@ -60,7 +60,7 @@ def recompress_file(reader: Any, cp: Any, index: int, folder: Any, name: str, co
                     ) -> tuple[FileEntry, bool]:
     """Write data file ``index`` of ``reader``'s checkpoint again as ``folder``/``name`` with
     ``codec`` ("" for raw), and its index; returns its entry and whether it is compressed."""
-    from ..engine.writer import FileWriter
+    from ..ops.save import write_one_file
 
     manifest: Manifest = reader.manifest
     block = manifest.extra["checksum_block"]
@@ -84,15 +84,8 @@ def recompress_file(reader: Any, cp: Any, index: int, folder: Any, name: str, co
     chunks = [ChunkWrite(key, box, whole, code, lo, hi) for (key, box, whole, code), (lo, hi) in zip(meta, ranges)]
     plan = FileWrite(name, fi.rank, header, chunks)
     order = {id(cw): i for i, cw in enumerate(chunks)}
-    writer = FileWriter(folder, plan, lambda cw: tensors[order[id(cw)]], cp.memory, block=block, borrow=True,
-                        threads=1, codec=codec, raw_keys=frozenset(fi.local_tensors))
-    writer.start()
-    try:
-        writer.stage()
-    except BaseException as exc:
-        writer.abort(exc)
-        raise
-    written = writer.finish()
+    written = write_one_file(folder, plan, lambda cw: tensors[order[id(cw)]], cp.memory, block=block, codec=codec,
+                             raw_keys=frozenset(fi.local_tensors))
     got = written.ranges or [(cw.start, cw.end) for cw in chunks]
     stored = written.stored or [()] * len(chunks)
     rows_out = [IndexedChunk(t, tuple(c.offsets), tuple(c.lengths), lo, hi, sums, digest,
