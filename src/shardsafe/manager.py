@@ -22,6 +22,7 @@ cleaned), saves nothing and loads nothing (``load`` returns None).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -52,10 +53,12 @@ from .errors import (
 from .hints import warn_user
 from .manager_config import ASYNC_MODES, TORCHTITAN_ONLY, CheckpointConfig, refuse_torchtitan_only  # noqa: F401 (re-exported)
 from .ops.incremental import chain_depth
+from .ops.load import LoadInfo
 from .steps import by_step, parse_step, step_name, width_of
 from .storage.base import Folder
 
 PathLike = str | os.PathLike
+_tier_log = logging.getLogger("shardsafe.tier")
 METRIC_KEY = "shardsafe_metric"
 """Top-level key of a checkpoint that holds the metric reported with ``save(..., metric=)``."""
 
@@ -130,6 +133,15 @@ class CheckpointManager:
         full_every: int = 10,
         version_skip: bool = False,
         compression: str = "off",
+        local: PathLike | None = None,
+        local_interval: int | None = None,
+        local_keep: int = 2,
+        replicas: int = 1,
+        replica_stride: int | None = None,
+        node: int | None = None,
+        local_max_bytes: int | None = None,
+        local_async: bool = True,
+        promote_every: int | None = None,
     ) -> None:
         self.config = CheckpointConfig(
             folder=str(folder), enable=enable, interval=interval, keep_last=keep_last, keep_every=keep_every,
@@ -151,7 +163,24 @@ class CheckpointManager:
         backend, location = self.checkpointer.locate(folder)
         self._backend, self._location = backend, location
         self._cleaned = False
-        if not enable or load_only:
+        self.tier: Any = None
+        self.last_load: LoadInfo | None = None
+        self._local_interval = local_interval or interval
+        self._local_async = local_async
+        self._promote_every = promote_every
+        self._local_saves = 0
+        if local_interval is not None and local_interval <= 0:
+            raise ValueError(f"local_interval must be positive, not {local_interval}")
+        if promote_every is not None and promote_every <= 0:
+            raise ValueError(f"promote_every must be positive, not {promote_every}")
+        if not enable:
+            return
+        if local is not None:
+            from .tier import LocalTier
+
+            self.tier = LocalTier(local, self.checkpointer, keep=local_keep, replicas=replicas, stride=replica_stride,
+                                  node=node, max_bytes=local_max_bytes, process_group=process_group)
+        if load_only:
             return  # a disabled or load-only manager creates and cleans nothing
         with self._open(create=True):
             pass  # leftovers are cleaned by the first save (an observer never changes the folder)
@@ -255,15 +284,54 @@ class CheckpointManager:
         cfg = self.config
         if not cfg.enable or cfg.load_only:
             return False
-        return force or step % cfg.interval == 0 or (step == 1 and cfg.enable_first_step_checkpoint)
+        return force or step % cfg.interval == 0 or (step == 1 and cfg.enable_first_step_checkpoint) \
+            or self._local_due(step)
+
+    def _local_due(self, step: int) -> bool:
+        return self.tier is not None and step % self._local_interval == 0
 
     def maybe_save(self, step: int, state: dict[str, Any], *, force: bool = False,
                    metric: float | None = None) -> bool:
-        """Save when :meth:`should_save` says so; True if it saved. ``metric`` as in :meth:`save`."""
+        """Save when :meth:`should_save` says so; True if it saved. ``metric`` as in :meth:`save`.
+        With a local tier, a step due for the local tier is saved there (see :meth:`save_local`);
+        a step due for both is saved to both."""
         if not self.should_save(step, force=force):
             return False
-        self.save(step, state, metric=metric)
+        if self._local_due(step):
+            self.save_local(step, state)
+        cfg = self.config
+        if force or step % cfg.interval == 0 or (step == 1 and cfg.enable_first_step_checkpoint):
+            self.save(step, state, metric=metric)
         return True
+
+    def save_local(self, step: int, state: dict[str, Any]) -> SaveFuture | None:
+        """Save ``state`` as step ``step`` to the node-local tier (``local=``): each rank's
+        files on its node, copied to ``replicas - 1`` peers, committed on every node once
+        all are there (async unless ``local_async=False``: :meth:`wait` joins it). Every
+        ``promote_every``-th local save is then copied to the persistent folder
+        (:meth:`promote`). Raises CheckpointError when the manager has no local tier, or
+        the local folder cannot hold it (checked before the first local save)."""
+        if self.tier is None:
+            raise CheckpointError("this CheckpointManager has no local tier: pass local='/dev/shm/<run>'")
+        if not self.config.enable or self.config.load_only:
+            return None
+        self._complete_pending()
+        future = self.tier.save(step, state, async_save=self._local_async, compression=self.config.compression,
+                                **({"max_staging_bytes": self.config.max_staging_bytes}
+                                   if self._local_async and self.config.max_staging_bytes else {}))
+        self._local_saves += 1
+        if self._promote_every and self._local_saves % self._promote_every == 0:
+            self.tier.wait()
+            self.promote(step)
+        return future
+
+    def local_steps(self) -> list[int]:
+        """The local steps complete across the live nodes, newest first, as far as the newest
+        (every rank calls it: one all-gather)."""
+        if self.tier is None:
+            return []
+        found = self.tier.find()
+        return [] if found is None else [found[0].step]
 
     def save(self, step: int, state: dict[str, Any], *, metric: float | None = None) -> SaveFuture | None:
         """Save ``state`` as step ``step`` (sync or async per ``async_mode``), then apply
@@ -343,6 +411,8 @@ class CheckpointManager:
 
     def _complete_pending(self) -> None:
         """Wait for the async save in flight; on success apply retention."""
+        if self.tier is not None:
+            self.tier.wait()
         if self._pending_step is None:
             return
         step, self._pending_step = self._pending_step, None
@@ -491,11 +561,18 @@ class CheckpointManager:
         if step is None and self.config.load_step is not None:
             step = self.config.load_step
         candidates = [step] if step is not None else list(reversed(self.agreed_steps()))
+        cast = self.config.cast_dtype if cast_dtype is None else cast_dtype
+        if self.tier is not None:
+            got = self._restore_local(state, step, candidates[0] if candidates and step is None else None,
+                                      strict=strict, exclude=self.config.exclude_from_loading, cast_dtype=cast)
+            if got is not None:
+                return got
         for s in candidates:
             try:
-                self.checkpointer.load(state, self.path(s), strict=strict, process_group=self.process_group,
-                                       exclude=self.config.exclude_from_loading,
-                                       cast_dtype=self.config.cast_dtype if cast_dtype is None else cast_dtype)
+                self.last_load = self.checkpointer.load(state, self.path(s), strict=strict,
+                                                        process_group=self.process_group,
+                                                        exclude=self.config.exclude_from_loading, cast_dtype=cast)
+                self.last_load.tier = "persistent"
             except (CorruptCheckpointError, CheckpointNotFoundError, FormatVersionError) as exc:
                 if step is not None:
                     raise
@@ -504,6 +581,45 @@ class CheckpointManager:
             self._loaded_step = s
             return s
         return None
+
+    def _restore_local(self, state: dict[str, Any], step: int | None, persistent: int | None,
+                       **load_kwargs: Any) -> int | None:
+        """Restore the newest step complete in the local tier when it is at least as new as
+        the persistent folder's newest (``persistent``) or is the ``step`` asked for; None
+        (with a log line saying why) when the persistent folder must be used."""
+        found = self.tier.find()
+        if found is None or (step is not None and found[0].step != step) or \
+                (step is None and persistent is not None and found[0].step < persistent):
+            why = "no local step is complete across the live nodes" if found is None else \
+                f"the newest complete local step is {found[0].step}" + \
+                (f", step {step} was asked for" if step is not None else f", the persistent folder has {persistent}")
+            _tier_log.info("local tier: loading from the persistent folder: %s", why)
+            return None
+        try:
+            restored = self.tier.restore(state, found, **load_kwargs)
+        except CheckpointError as exc:
+            warn_user(f"local tier: step {found[0].step} could not be restored ({exc}); loading from the "
+                      "persistent folder")
+            return None
+        _tier_log.info("local tier: restored step %d from %s (%d bytes received from peers)", restored.step,
+                       "this node's folder" if restored.tier == "local" else "this node's folder and peers",
+                       restored.received)
+        self.last_load = restored.info
+        self._loaded_step = restored.step
+        return restored.step
+
+    def promote(self, step: int) -> Path | str:
+        """Copy local step ``step`` to the persistent folder (each rank its node's files, no
+        staging from the model; the manifest last), then apply retention. Returns its path."""
+        from .tier.promote import promote
+
+        if self.tier is None:
+            raise CheckpointError("this CheckpointManager has no local tier to promote from")
+        self.tier.wait()
+        path, _ = self._targets(step)
+        promote(self.tier, step, self.checkpointer, path, self.process_group)
+        self._retain(protect=step)
+        return path
 
     # -- final export -----------------------------------------------------------------
     def save_final(self, model: torch.nn.Module, path: PathLike | None = None, *,
@@ -565,6 +681,8 @@ class CheckpointManager:
             self._complete_pending()
         finally:
             self._closed = True
+            if self.tier is not None:
+                self.tier.close()
             if self._owns_checkpointer:
                 self.checkpointer.close()
 

@@ -62,6 +62,8 @@ class LoadInfo:
     retries: int = 0  # storage requests retried after transient failures
     bytes_fetched: int = 0
     bytes_stored_read: int = 0  # format 3.2: stored (compressed) bytes read for compressed chunks
+    tier: str = ""  # a CheckpointManager with a local tier: "local", "peers" or "persistent"
+    bytes_from_peers: int = 0  # local tier: bytes of files this rank received from other nodes first
 
 
 @dataclass(frozen=True)

@@ -308,7 +308,7 @@ class LocalFolder(Renaming):
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise CorruptCheckpointError(f"{where} is not a folder (or is a symlink)") from None
             raise storage_error(exc, "open folder", where) from exc
-        return LocalFolder(fd, where)
+        return type(self)(fd, where)
 
     def remove_tree(self, name: str) -> None:
         kind = self.kind(name)
@@ -395,6 +395,8 @@ class LocalFolder(Renaming):
 class LocalBackend(Backend):
     """Plain paths (and ``file://`` URLs, already stripped by the URL layer)."""
 
+    folder_class: type[LocalFolder] = LocalFolder
+
     def open(self, location: str, create: bool = False) -> Folder:
         path = os.path.abspath(location)
         if create:
@@ -410,7 +412,7 @@ class LocalBackend(Backend):
             raise CheckpointNotFoundError(f"{path} is a file, not a folder") from None
         except OSError as exc:
             raise storage_error(exc, "open folder", path) from exc
-        return LocalFolder(fd, path)
+        return self.folder_class(fd, path)
 
     def split(self, location: str) -> tuple[str, str]:
         path = os.path.abspath(location)  # lexical: "a/b/.." names "a"
