@@ -49,6 +49,12 @@ def digest(tree: Any) -> str:
     return h.hexdigest()
 
 
+def full_digest(snap: dict[str, Any]) -> str:
+    """The digest of what does not depend on the world size: full model and optimizer
+    state, LR schedule, counters."""
+    return digest({k: snap[k] for k in ("model", "optim", "sched", "counters")})
+
+
 def _kill_hook(spec: dict[str, Any], rank: int) -> None:
     kill = spec.get("kill")
     if not kill or kill["rank"] != rank:
@@ -60,10 +66,13 @@ def _kill_hook(spec: dict[str, Any], rank: int) -> None:
 
     if kill["at"] == "replicate":  # the rank's files are written; it dies as their copying starts
         orig = tl.exchange
+        calls = [0]
 
         def exchange(transfers, *a, **k):  # noqa: ANN001, ANN202
             if any(t.src == rank for t in transfers):
-                die()
+                calls[0] += 1
+                if calls[0] == kill["step"] // 2:  # local saves every 2 steps
+                    die()
             return orig(transfers, *a, **k)
 
         tl.exchange = exchange
@@ -73,7 +82,7 @@ def _kill_hook(spec: dict[str, Any], rank: int) -> None:
         orig_write = sl.LocalWriteHandle.write
 
         def write(self, buffers, offset):  # noqa: ANN001, ANN202
-            if ".shardsafe-tmp-tier" in getattr(self.folder, "location", ""):
+            if f".step-{kill['step']:08d}.shardsafe-tmp-tier" in getattr(self.folder, "location", ""):
                 die()
             return orig_write(self, buffers, offset)
 
@@ -95,7 +104,10 @@ def main(path: str) -> None:
     with open(path) as f:
         spec = json.load(f)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"file://{os.environ['INIT_FILE']}", rank=rank, world_size=world)
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['INIT_FILE']}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
     import shardsafe
     from resume_cases import build_run, config, snapshot, train
 
@@ -103,7 +115,7 @@ def main(path: str) -> None:
     _kill_hook(spec, rank)
     cfg = config(**spec.get("cfg", {}))
     run = build_run(cfg, "fsdp", rank, world, init_seed=0, rng_seed=100)
-    out: dict[str, Any] = {"saves": {}, "loaded": None, "tier": None}
+    out: dict[str, Any] = {"saves": {}, "saves_full": {}, "loaded": None, "tier": None}
     kw = {k: spec[k] for k in ("local_keep", "replicas", "local_max_bytes", "promote_every") if k in spec}
     mgr = shardsafe.CheckpointManager(spec["persistent"], interval=spec.get("interval", 1000),
                                       local=spec["local"], local_interval=spec.get("local_interval", 2),
@@ -114,19 +126,24 @@ def main(path: str) -> None:
             out["loaded"] = mgr.load(state)
             out["tier"] = mgr.last_load.tier if mgr.last_load is not None else None
             out["received"] = getattr(mgr.last_load, "bytes_from_peers", 0)
-            out["restored"] = digest(snapshot(run))
+            snap = snapshot(run)
+            out["restored"], out["restored_full"] = digest(snap), full_digest(snap)
 
         def on_step(r: Any) -> None:
             step = r.state.step
             if mgr.maybe_save(step, state):
                 mgr.wait()
-                out["saves"][str(step)] = digest(snapshot(r))
+                snap = snapshot(r)
+                out["saves"][str(step)], out["saves_full"][str(step)] = digest(snap), full_digest(snap)
 
         out["records"] = train(run, spec["stop"], on_step)
         out["final"] = digest(snapshot(run))
         mgr.close()
     except shardsafe.CheckpointError as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
+        if spec.get("then_persistent"):  # the persistent tier still saves
+            mgr.save(run.state.step, state)
+            out["persistent_after_error"] = run.state.step
         mgr.close()
     with open(f"{spec['out']}.rank{rank}.json", "w") as f:
         json.dump(out, f)
