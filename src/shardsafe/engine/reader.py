@@ -34,7 +34,7 @@ from ..storage.spill import SpilledHandle, prefetch
 from ..workers import pool
 from .buffers import writable_bytes
 from .memory import HostMemory, Lease
-from .zread import BlockCache, ZHandle
+from .zread import BlockCache, ReadAhead, ZHandle
 
 IOV_MAX = 1024
 
@@ -381,8 +381,10 @@ class Reader:
         size = min(max((w[-1].hi - w[0].lo for w in group), default=1), max(self.window, 1))
         lease: Lease | None = None
         hashed = 0
+        # compressed windows: each one's stored blocks are read while the one before is decompressed
+        ahead = ReadAhead(self.files.handle, [(w[0].file, w[0].lo, w[-1].hi) for w in group])
         try:
-            for w in group:
+            for i, w in enumerate(group):
                 lo, hi = w[0].lo, w[-1].hi
                 if lease is None or lease.nbytes < hi - lo:
                     if lease is not None:
@@ -391,7 +393,7 @@ class Reader:
                 view = memoryview(lease.tensor.numpy())[: hi - lo]
                 try:
                     if hi > lo:
-                        self.files.handle(w[0].file).read_into([view], lo)
+                        ahead.read_into(i, view)
                 except CheckpointError as exc:
                     if problems is None:
                         raise
@@ -408,6 +410,7 @@ class Reader:
                 if self.progress is not None:
                     self.progress(hi - lo)
         finally:
+            ahead.close()
             if lease is not None:
                 lease.release()
         return hashed
