@@ -148,29 +148,35 @@ class ZHandle(ReadHandle):
                 done += take
                 pos += take
 
-    def fetch(self, lo: int, hi: int) -> Fetched:
-        """Read the stored bytes of every block that logical bytes [lo, hi) touch (one read
-        per row) into one buffer leased from the budget; nothing is decompressed yet.
-        Raises what the file's reads raise."""
+    def fetch(self, ranges: list[tuple[int, int]]) -> Fetched:
+        """Read the stored bytes of every block that the logical byte ranges touch into one
+        buffer leased from the budget (one read per run of back-to-back stored bytes);
+        nothing is decompressed yet. Raises what the file's reads raise."""
         spans = []  # (row, first block, last block + 1)
-        pos = lo
-        while pos < hi:
-            row = self._row(pos)
-            end = min(hi, row.logical + row.raw)
-            spans.append((row, row.block_at(pos, self.block), row.block_at(end - 1, self.block) + 1))
-            pos = end
+        for lo, hi in ranges:
+            pos = lo
+            while pos < hi:
+                row = self._row(pos)
+                end = min(hi, row.logical + row.raw)
+                spans.append((row, row.block_at(pos, self.block), row.block_at(end - 1, self.block) + 1))
+                pos = end
         total = sum(row.offset(b1) - row.offset(b0) for row, b0, b1 in spans)
         buf, lease = self._buffer(total)
         blocks: dict[tuple[int, int], memoryview] = {}
         try:
             at = 0
+            runs: list[tuple[int, int, int]] = []  # (file offset, buffer offset, bytes)
             for row, b0, b1 in spans:
                 first, n = row.offset(b0), row.offset(b1) - row.offset(b0)
-                if n:
-                    self.inner.read_into([buf[at: at + n]], row.start + first)
+                if runs and runs[-1][0] + runs[-1][2] == row.start + first:
+                    runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+                elif n:
+                    runs.append((row.start + first, at, n))
                 for b in range(b0, b1):
                     blocks[(row.logical, b)] = buf[at + row.offset(b) - first: at + row.offset(b + 1) - first]
                 at += n
+            for offset, into, n in runs:
+                self.inner.read_into([buf[into: into + n]], offset)
             with self._lock:
                 self.stored_read += total
         except BaseException:
@@ -299,61 +305,91 @@ class ReadAhead:
     decompression of the windows before them: a helper thread reads the next windows, one
     after another, up to ``ahead`` bytes (``knobs.ZIP_AHEAD``) and only while the memory
     budget has room (their buffers are leased from it), so the storage is kept busy while
-    this thread decompresses. Windows of real bytes are read as they come. ``handle``: a
-    file's handle."""
+    this thread decompresses. ``units``: how many consecutive windows are fetched in one
+    read (their stored bytes are back to back: small chunks); default one each. Windows of
+    real bytes are read as they come. ``handle``: a file's handle."""
 
     def __init__(self, handle: Callable[[int], ReadHandle], windows: list[tuple[int, int, int]],
-                 ahead: int | None = None) -> None:
+                 ahead: int | None = None, units: list[int] | None = None) -> None:
         self.handle = handle
         self.windows = windows
         self.ahead = knobs.ZIP_AHEAD if ahead is None else ahead
+        self.units: list[tuple[int, int]] = []  # window ranges [a, b) fetched together
+        for n in units if units is not None else [1] * len(windows):
+            start = self.units[-1][1] if self.units else 0
+            self.units.append((start, start + n))
+        self.unit_of = [u for u, (a, b) in enumerate(self.units) for _ in range(a, b)]
         zipped = sum(lo >= LOGICAL_BASE and hi > lo for _, lo, hi in windows)
         self.helper = pool(1, "read-ahead") if zipped > 1 and self.ahead > 0 else None
         self.pending: dict[int, Future[Fetched]] = {}
-        self.started = 0  # windows [0, started) were considered for fetching
-        self.held = 0  # raw bytes of the pending windows
+        self.current: tuple[int, Fetched] | None = None  # the unit being decompressed
+        self.started = 0  # units [0, started) were considered for fetching
+        self.held = 0  # raw bytes of the pending units
 
-    def _start(self, i: int) -> None:
-        """Start fetching windows from ``i`` on (the compressed ones), up to ``ahead``
-        bytes beyond window ``i``, the budget permitting."""
+    def _size(self, u: int) -> int:
+        a, b = self.units[u]
+        return sum(hi - lo for _, lo, hi in self.windows[a:b])
+
+    def _start(self, u: int) -> None:
+        """Start fetching units from ``u`` on (the compressed ones), up to ``ahead`` bytes
+        beyond unit ``u``, the budget permitting."""
         if self.helper is None:
             return
-        self.started = max(self.started, i)
-        while self.started < len(self.windows):
-            f, lo, hi = self.windows[self.started]
-            if self.started > i and self.held + (hi - lo) > self.ahead:
+        self.started = max(self.started, u)
+        while self.started < len(self.units):
+            a, b = self.units[self.started]
+            f, lo, hi = self.windows[a]
+            n = self._size(self.started)
+            if self.started > u and self.held + n > self.ahead:
                 return
             handle = self.handle(f)
             if lo >= LOGICAL_BASE and hi > lo and isinstance(handle, ZHandle):
-                if self.started > i and not handle.room(hi - lo):
+                if self.started > u and not handle.room(n):
                     return
-                self.pending[self.started] = self.helper.submit(handle.fetch, lo, hi)
-                self.held += hi - lo
+                ranges = [(w_lo, w_hi) for _, w_lo, w_hi in self.windows[a:b]]
+                self.pending[self.started] = self.helper.submit(handle.fetch, ranges)
+                self.held += n
             self.started += 1
+
+    def _fetched(self, u: int) -> Fetched | None:
+        """Unit ``u``'s stored bytes when they are read ahead (waits for them), else None."""
+        if self.current is not None and self.current[0] == u:
+            return self.current[1]
+        if u not in self.pending:
+            self._start(u)
+        future = self.pending.pop(u, None)
+        if future is None:
+            return None
+        self.held -= self._size(u)
+        fetched = future.result()  # (a failed read raises here)
+        self.current = (u, fetched)
+        self._start(u + 1)  # the next units are read while this one is decompressed
+        return fetched
 
     def read_into(self, i: int, view: memoryview) -> None:
         """Window ``i``'s bytes into ``view`` (its length), decompressed and block-checked
         when compressed; raises what a read of them would."""
-        f, lo, hi = self.windows[i]
+        f, lo, _ = self.windows[i]
         handle = self.handle(f)
-        if i not in self.pending:
-            self._start(i)
-        future = self.pending.pop(i, None)
-        if future is None:
-            handle.read_into([view], lo)
-            return
-        self.held -= hi - lo
-        fetched = future.result()  # (a failed read raises here)
+        u = self.unit_of[i]
         try:
-            self._start(i + 1)  # the next windows are read while this one is decompressed
+            fetched = self._fetched(u)
+            if fetched is None:
+                handle.read_into([view], lo)
+                return
             assert isinstance(handle, ZHandle)
             with handle.using(fetched):
                 handle.read_into([view], lo)
         finally:
-            fetched.release()
+            if self.current is not None and (self.current[0] != u or i == self.units[u][1] - 1):
+                self.current[1].release()  # the unit's last window (or a unit left by an error)
+                self.current = None
 
     def close(self) -> None:
         """Wait for the reads still running and give their buffers back."""
+        if self.current is not None:
+            self.current[1].release()
+            self.current = None
         if self.helper is None:
             return
         for future in self.pending.values():
