@@ -41,7 +41,7 @@ from ..workers import pool, start_thread
 from .buffers import dense, flat_bytes, readable_bytes, resolved
 from .memory import HostMemory, Lease
 from .parallel import run_shares
-from .zwrite import OrderedWrites, Packet, _Zip, ahead_bytes
+from .zwrite import WRITE_THREADS, OrderedWrites, Packet, _Zip, ahead_bytes
 
 IOV_MAX = 1024
 
@@ -124,7 +124,7 @@ class FileWriter:
         # writer threads compress the next blocks (engine/zwrite.py).
         self.zip = _Zip(plan, codec, raw_keys, block) if codec else None
         self.writes: OrderedWrites | None = None
-        self.write_thread: threading.Thread | None = None
+        self.write_threads: list[threading.Thread] = []
         self.memory = memory
         self.block = block
         self.borrow = borrow
@@ -171,8 +171,8 @@ class FileWriter:
 
     def start(self) -> None:
         """Start the background writer threads (and a compressed file's write thread)."""
-        if self.writes is not None and self.write_thread is None:
-            self.write_thread = start_thread(self.writes.run, "zip-write")
+        if self.writes is not None and not self.write_threads:
+            self.write_threads = [start_thread(self.writes.run, f"zip-write-{i}") for i in range(WRITE_THREADS)]
         for i in range(self.n_threads):
             self.threads.append(start_thread(self._drain, f"writer-{i}"))
 
@@ -429,11 +429,12 @@ class FileWriter:
         writes = self.writes
         if writes is None:
             return
-        if self.write_thread is None:  # (never started: write here)
-            self.write_thread = start_thread(writes.run, "zip-write")
         assert self.zip is not None
         writes.close(self.zip.submitted)
-        self.write_thread.join()
+        if not self.write_threads:  # (never started: write here)
+            writes.run()
+        for t in self.write_threads:
+            t.join()
         writes.drop()
 
     def _finish_zipped(self) -> WrittenFile:

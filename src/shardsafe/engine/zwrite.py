@@ -2,8 +2,8 @@
 
 The writer threads of :class:`~shardsafe.engine.writer.FileWriter` take stretches (in
 file order, each numbered by ``seq``), hash and compress their blocks and hand them, a
-*packet* of about one checksum block at a time, to one thread of this module that writes
-the packets in file order, back to back after the reserved header, as soon as each is
+*packet* of about one checksum block at a time, to the write threads of this module, which
+write the packets in file order, back to back after the reserved header, as soon as each is
 ready: while it writes a packet, the writer threads compress the next ones. The packets'
 bytes (compressed, or raw where compression does not pay) are copied into buffers leased
 from the memory budget, so a stretch's staging slot is free as soon as it is compressed;
@@ -148,10 +148,17 @@ class OrderedWrites:
                 out.append(p)
                 count += len(p.blocks)
                 self.next = (p.seq + 1, 0) if p.last else (p.seq, p.sub + 1)
+            z = self.zip
+            for p in out:  # their place in the file: the next bytes, in order
+                for ci, bi, buf in p.blocks:
+                    z.stored[ci][bi] = (z.cursor, len(buf))
+                    z.cursor += len(buf)
             return out
 
     def run(self) -> None:
-        """The write thread: packets in order until the last stretch's last one."""
+        """A write thread: takes the next packets (and their place) in order until the last
+        stretch's last one, and writes them; two such threads write back-to-back ranges at
+        once, so the storage has the next write while one thread waits to be scheduled."""
         while True:
             packets = self._take()
             if packets is None:
@@ -168,16 +175,9 @@ class OrderedWrites:
                     p.release()
 
     def _write(self, packets: list[Packet]) -> None:
-        z = self.zip
-        offset = pos = z.cursor
-        bufs = []
-        for p in packets:
-            for ci, bi, buf in p.blocks:
-                z.stored[ci][bi] = (pos, len(buf))
-                pos += len(buf)
-                if len(buf):
-                    bufs.append(buf)
-        z.cursor = pos
+        ci, bi, _ = packets[0].blocks[0]
+        offset = self.zip.stored[ci][bi][0]  # type: ignore[index]
+        bufs = [buf for p in packets for _, _, buf in p.blocks if len(buf)]
         if bufs:
             self.handle.write(bufs, offset)
 
@@ -194,4 +194,6 @@ def ahead_bytes(threads: int) -> int:
     return knobs.ZIP_AHEAD * max(1, threads)
 
 
-__all__ = ["IOV_MAX", "OrderedWrites", "Packet", "ahead_bytes"]
+WRITE_THREADS = 2  # threads writing a compressed file's packets
+
+__all__ = ["IOV_MAX", "WRITE_THREADS", "OrderedWrites", "Packet", "ahead_bytes"]
