@@ -121,5 +121,8 @@ ZIP_MIN_GAIN = _knob("ZIP_MIN_GAIN", 1030, "a block is stored compressed only wh
 ZSTD_LEVEL = _knob("ZSTD_LEVEL", 1, "zstd level of compression=\"zstd\" (1: fastest; higher: slower, a little smaller)")
 ZIP_CACHE = _knob("ZIP_CACHE", 256 * MiB, "a load keeps up to this many bytes of decompressed, verified blocks "
                   "(within the memory budget's free room), so landing does not decompress them again", minimum=0)
+ZIP_AHEAD = _knob("ZIP_AHEAD", 8 * MiB, "compressed chunks: a load reads up to this many bytes ahead of the "
+                  "blocks it decompresses, a save compresses up to this many ahead of its writes (per thread, "
+                  "within the memory budget)", minimum=0)
 ZIP_PROBE = _knob("ZIP_PROBE", 4 * MiB, "compression=\"auto\": bytes of a save's first blocks compressed once per "
                   "process to measure the codec's throughput")

@@ -25,6 +25,7 @@ from ..errors import CheckpointChangedError, CheckpointError, CheckpointNotFound
 from ..format.checksum import checksum
 from ..format.dtypes import torch_dtype
 from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.zindex import LOGICAL_BASE
 from ..knobs import READ_BATCH as BATCH_BYTES
 from ..knobs import REMOTE_VERIFY_WINDOW, VERIFY_WINDOW
 from ..layout import Box
@@ -34,7 +35,7 @@ from ..storage.spill import SpilledHandle, prefetch
 from ..workers import pool
 from .buffers import writable_bytes
 from .memory import HostMemory, Lease
-from .zread import BlockCache, ZHandle
+from .zread import BlockCache, ReadAhead, ZHandle
 
 IOV_MAX = 1024
 
@@ -373,16 +374,45 @@ class Reader:
         ``problems``, every block mismatch is collected). Returns the bytes hashed."""
         for f in sorted({c.file for c in checks} if headers is None else headers):
             self.files.check_header(f)
-        groups = windows(checks, self.window)
-        parts = split_work(groups, [w[-1].hi - w[0].lo + 4096 for w in groups], self.threads)
+        units = self._units(windows(checks, self.window))
+        parts = split_work(units, [sum(w[-1].hi - w[0].lo + 4096 for w in u) for u in units], self.threads)
         return sum(self._run(self._hash_windows, parts, problems))
 
-    def _hash_windows(self, group: list[list[BlockCheck]], problems: Problems | None) -> int:
+    def _units(self, groups: list[list[BlockCheck]]) -> list[list[list[BlockCheck]]]:
+        """Windows read together: consecutive compressed windows of one file whose stored
+        bytes lie back to back (small chunks), up to a window's bytes; others alone."""
+        units: list[list[list[BlockCheck]]] = []
+        last: tuple[int, int] | None = None  # (file, stored end) of the last window
+        size = 0
+        for w in groups:
+            f, lo, hi = w[0].file, w[0].lo, w[-1].hi
+            stored = None
+            handle = self.files.handle(f) if lo >= LOGICAL_BASE and hi > lo else None
+            if isinstance(handle, ZHandle):
+                try:
+                    found = handle.stored_ranges([(lo, hi)])
+                    stored = (found[0][0], found[-1][1])
+                except CheckpointError:
+                    pass  # (reading the window reports it)
+            if stored is not None and units and last == (f, stored[0]) and size + hi - lo <= self.window:
+                units[-1].append(w)
+                size += hi - lo
+            else:
+                units.append([w])
+                size = hi - lo
+            last = None if stored is None else (f, stored[1])
+        return units
+
+    def _hash_windows(self, part: list[list[list[BlockCheck]]], problems: Problems | None) -> int:
+        group = [w for unit in part for w in unit]
         size = min(max((w[-1].hi - w[0].lo for w in group), default=1), max(self.window, 1))
         lease: Lease | None = None
         hashed = 0
+        # compressed windows: each one's stored blocks are read while the one before is decompressed
+        ahead = ReadAhead(self.files.handle, [(w[0].file, w[0].lo, w[-1].hi) for w in group],
+                          units=[len(unit) for unit in part])
         try:
-            for w in group:
+            for i, w in enumerate(group):
                 lo, hi = w[0].lo, w[-1].hi
                 if lease is None or lease.nbytes < hi - lo:
                     if lease is not None:
@@ -391,7 +421,7 @@ class Reader:
                 view = memoryview(lease.tensor.numpy())[: hi - lo]
                 try:
                     if hi > lo:
-                        self.files.handle(w[0].file).read_into([view], lo)
+                        ahead.read_into(i, view)
                 except CheckpointError as exc:
                     if problems is None:
                         raise
@@ -408,6 +438,7 @@ class Reader:
                 if self.progress is not None:
                     self.progress(hi - lo)
         finally:
+            ahead.close()
             if lease is not None:
                 lease.release()
         return hashed

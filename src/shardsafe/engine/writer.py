@@ -41,6 +41,7 @@ from ..workers import pool, start_thread
 from .buffers import dense, flat_bytes, readable_bytes, resolved
 from .memory import HostMemory, Lease
 from .parallel import run_shares
+from .zwrite import WRITE_THREADS, OrderedWrites, Packet, _Zip, ahead_bytes
 
 IOV_MAX = 1024
 
@@ -119,8 +120,11 @@ class FileWriter:
         self.plan = plan
         # Compressed (format 3.2): every chunk but ``raw_keys``' is stored block by block,
         # compressed with ``codec`` or raw; blocks are written back to back in file order
-        # after a header reserved up front and written last (:class:`_Zip`).
+        # after a header reserved up front and written last, by one thread while the
+        # writer threads compress the next blocks (engine/zwrite.py).
         self.zip = _Zip(plan, codec, raw_keys, block) if codec else None
+        self.writes: OrderedWrites | None = None
+        self.write_threads: list[threading.Thread] = []
         self.memory = memory
         self.block = block
         self.borrow = borrow
@@ -155,6 +159,9 @@ class FileWriter:
         try:
             if self.zip is None:
                 self.handle.write([memoryview(plan.header)], 0)
+            else:
+                self.writes = OrderedWrites(self.zip, self.handle, ahead_bytes(self.n_threads + 1),
+                                            lambda: self.error, self._fail)
         except BaseException:
             self.handle.abort()
             raise
@@ -163,7 +170,9 @@ class FileWriter:
         return self.borrow and src.device.type == "cpu" and dense(src)
 
     def start(self) -> None:
-        """Start the background writer threads."""
+        """Start the background writer threads (and a compressed file's write thread)."""
+        if self.writes is not None and not self.write_threads:
+            self.write_threads = [start_thread(self.writes.run, f"zip-write-{i}") for i in range(WRITE_THREADS)]
         for i in range(self.n_threads):
             self.threads.append(start_thread(self._drain, f"writer-{i}"))
 
@@ -309,9 +318,8 @@ class FileWriter:
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
-        if self.zip is not None:
-            with self.zip.turn:
-                self.zip.turn.notify_all()
+        if self.writes is not None:
+            self.writes.wake()
 
     # -- the writers' side ------------------------------------------------------------------
     def _drain(self) -> None:
@@ -359,40 +367,36 @@ class FileWriter:
             self.handle.write(group, offset)
 
     def _write_zipped(self, stretch: Stretch) -> None:
-        """Hash each block, compress it (or keep it raw) into a buffer leased for the
-        stretch, then, in submission order, take the next bytes of the file and write the
-        stretch's stored blocks there."""
-        z = self.zip
-        assert z is not None
-        out: list[tuple[int, int, memoryview]] = []
-        packed_bytes = sum(len(p) for ci, _, p in stretch.pieces if z.packs[ci])
-        lease = self.memory.lease(packed_bytes, keep=True, wait=False) if packed_bytes else None
-        try:
-            room = memoryview(lease.tensor.numpy()) if lease is not None else memoryview(b"")
-            used = 0
-            for ci, bi, piece in stretch.pieces:
-                self.sums[ci][bi] = checksum(piece)
-                self.wide[ci][bi] = block_digest(piece)
-                packed = compress(z.codec, piece, z.itemsizes[ci]) if z.packs[ci] else None
-                if packed is None:
-                    out.append((ci, bi, piece))
-                    continue
-                room[used: used + len(packed)] = packed  # (shorter than the piece: it fits)
-                out.append((ci, bi, room[used: used + len(packed)]))
-                used += len(packed)
-            offset = z.take(stretch.seq, sum(len(b) for _, _, b in out), lambda: self.error)
-            pos = offset
-            for ci, bi, buf in out:
-                z.stored[ci][bi] = (pos, len(buf))
-                pos += len(buf)
-            bufs = [b for _, _, b in out if len(b)]
-            for i in range(0, len(bufs), IOV_MAX):
-                part = bufs[i: i + IOV_MAX]
-                self.handle.write(part, offset)
-                offset += sum(len(b) for b in part)
-        finally:
-            if lease is not None:
-                lease.release()
+        """Hash and compress the stretch's blocks (or keep them raw), about one checksum
+        block per packet, each packet's bytes copied into a buffer leased for it, and hand
+        each packet to the write thread as soon as it is done (engine/zwrite.py)."""
+        z, writes = self.zip, self.writes
+        assert z is not None and writes is not None
+        pieces = stretch.pieces
+        sub = start = 0
+        while start < len(pieces):
+            end, size = start, 0
+            while end < len(pieces) and (end == start or size + len(pieces[end][2]) <= self.block):
+                size += len(pieces[end][2])
+                end += 1
+            packet = Packet(stretch.seq, sub, end == len(pieces))
+            packet.lease = self.memory.lease(size, keep=True, wait=False) if size else None
+            try:
+                room = memoryview(packet.lease.tensor.numpy()) if packet.lease is not None else memoryview(b"")
+                used = 0
+                for ci, bi, piece in pieces[start:end]:
+                    self.sums[ci][bi] = checksum(piece)
+                    self.wide[ci][bi] = block_digest(piece)
+                    packed = compress(z.codec, piece, z.itemsizes[ci]) if z.packs[ci] else None
+                    data = piece if packed is None else packed  # (never longer than the piece: it fits)
+                    room[used: used + len(data)] = data
+                    packet.blocks.append((ci, bi, room[used: used + len(data)]))
+                    used += len(data)
+            except BaseException:
+                packet.release()
+                raise
+            writes.put(packet)
+            sub, start = sub + 1, end
 
     def finish(self, help_write: bool = True) -> WrittenFile:
         """Wait for every stretch to be written (this thread helps with ``help_write``),
@@ -405,14 +409,33 @@ class FileWriter:
                 t.join()
             self._check()
             if self.zip is not None:
+                self._join_writes()
+                self._check()
                 return self._finish_zipped()
             self.handle.finish(self.durable)
-        except BaseException:
+        except BaseException as exc:
+            if self.zip is not None:
+                self._fail(exc)
+                self._join_writes()
             self.handle.abort()
             raise
         header = self.plan.header
         entry = FileEntry(self.plan.name, self.plan.size, self.plan.rank, len(header), checksum(header))
         return WrittenFile(entry, self.sums, [chunk_digest(w) for w in self.wide])  # type: ignore[arg-type]
+
+    def _join_writes(self) -> None:
+        """Let a compressed file's write thread write what is handed over, then end it (it
+        ends at once after an error); release the packets it never wrote."""
+        writes = self.writes
+        if writes is None:
+            return
+        assert self.zip is not None
+        writes.close(self.zip.submitted)
+        if not self.write_threads:  # (never started: write here)
+            writes.run()
+        for t in self.write_threads:
+            t.join()
+        writes.drop()
 
     def _finish_zipped(self) -> WrittenFile:
         """The header (now that stored sizes are known) in its reserved space, then durable."""
@@ -439,63 +462,8 @@ class FileWriter:
                 break
             if s is not None and s.lease is not None:
                 self._release(s.lease)
+        self._join_writes()
         self.handle.abort()
-
-
-class _Zip:
-    """A compressed file being written: which chunks are compressed, the reserved header,
-    the order in which stretches take the file's next bytes, each block's stored place."""
-
-    def __init__(self, plan: FileWrite, codec: str, raw_keys: frozenset[str], block: int) -> None:
-        from ..format.datafile import ChunkEntry, _itemsizes, build_header, chunk_name
-
-        self.codec = codec
-        self.packs = [c.key not in raw_keys for c in plan.chunks]
-        self.itemsizes = [_itemsizes()[c.code] for c in plan.chunks]
-        self.names = [chunk_name(c.key, c.box.offsets, c.whole) for c in plan.chunks]
-        # Stored sizes never exceed raw ones, so this header (raw sizes) is the longest the
-        # final one can be: its size is reserved, the final header padded to it.
-        raw = [c.end - c.start for c in plan.chunks]
-        self.entries = lambda sizes: [ChunkEntry(n, "U8" if p else c.code, (m,) if p else c.box.lengths, m)
-                                      for n, p, c, m in zip(self.names, self.packs, plan.chunks, sizes)]
-        self.reserve = len(build_header(self.entries(raw))[0])
-        self.build_header = build_header
-        self.stored: list[list[tuple[int, int] | None]] = [[None] * max(1, -(-n // block)) for n in raw]
-        self.submitted = 0
-        self.next = 0
-        self.cursor = self.reserve
-        self.turn = threading.Condition()
-
-    def take(self, seq: int, n: int, error: Callable[[], BaseException | None]) -> int:
-        """Wait for stretch ``seq``'s turn, then take the file's next ``n`` bytes."""
-        with self.turn:
-            while self.next != seq:
-                failed = error()
-                if failed is not None:
-                    raise failed
-                self.turn.wait(0.5)
-            offset = self.cursor
-            self.cursor += n
-            self.next += 1
-            self.turn.notify_all()
-            return offset
-
-    def header(self, plan: FileWrite) -> tuple[bytes, list[tuple[int, int]], list[tuple[int, ...]]]:
-        """The final header (padded to the reserved size), each chunk's stored range, and
-        each compressed chunk's stored block lengths (() for a raw chunk)."""
-        import struct
-
-        ranges = []
-        stored = []
-        for blocks, pack in zip(self.stored, self.packs):
-            assert all(b is not None for b in blocks)
-            lo = blocks[0][0]  # type: ignore[index]
-            hi = blocks[-1][0] + blocks[-1][1]  # type: ignore[index]
-            ranges.append((lo, hi))
-            stored.append(tuple(b[1] for b in blocks) if pack else ())  # type: ignore[index]
-        header, _ = self.build_header(self.entries([hi - lo for lo, hi in ranges]))
-        text = header[8:] + b" " * (self.reserve - len(header))
-        return struct.pack("<Q", len(text)) + text, ranges, stored
 
 
 class _SlotFill:

