@@ -204,3 +204,30 @@ def test_full_local_folder_is_a_clear_error_and_persistent_saves_go_on(tmp_path:
     assert (tmp_path / "persistent" / "step-00000002" / "manifest.json").exists()
     for node in (0, 1):
         assert [p.name for p in (tmp_path / "local" / f"node{node}").iterdir()] == [".shardsafe-tier.json"]
+
+
+def test_ls_and_verify_on_a_local_folder(tmp_path: Path, stopped: Path) -> None:
+    """``shardsafe ls`` shows the local steps and which ranks' files a node holds;
+    ``verify`` checks what the node holds and names what is on peers."""
+    from shardsafe.tier.local import MARKER
+    from shardsafe.tools.listing import TIER_MARKER, format_listing, list_checkpoints
+    from shardsafe.tools.verify import verify_checkpoint
+
+    assert MARKER == TIER_MARKER
+    _copy(stopped, tmp_path)
+    node0 = tmp_path / "local" / "node0"
+    for p in (node0 / "step-00000006").glob("data-r00003-00.*"):
+        p.unlink()  # as if node 0 kept only ranks 0-2 of step 6
+    entries = {e.step: e for e in list_checkpoints(node0)}
+    assert entries[4].status == "local" and entries[4].coverage == "files of ranks 0-3 (4 of 4)"
+    assert entries[6].status == "partial" and entries[6].coverage == "files of ranks 0-2 (3 of 4)"
+    assert "the others are on peer nodes" in format_listing(list(entries.values()), node0)
+    report = verify_checkpoint(node0 / "step-00000006")
+    assert report.ok, report.to_text()
+    assert report.on_peers == ["data-r00003-00.safetensors"]
+    victim = node0 / "step-00000006" / "data-r00002-00.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 1
+    victim.write_bytes(bytes(data))
+    bad = verify_checkpoint(node0 / "step-00000006")
+    assert not bad.ok and "data-r00002-00.safetensors" in bad.to_text()

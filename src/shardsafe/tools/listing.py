@@ -49,6 +49,7 @@ class StepEntry:
     problem: str | None = None
     referred: int = 0
     refers_to: list[str] | None = None
+    coverage: str | None = None  # a node-local tier folder: the ranks whose files this node holds
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -203,8 +204,53 @@ def list_checkpoints(folder: PathLike, checkpointer: Checkpointer | None = None)
                     status, problem = "deleting", "a deleted checkpoint whose files are still being removed"
                 out.append(StepEntry(name, step, status, _size(root, name), problem=problem))
         _mark_ambiguous(root, out)
+        if root.kind(TIER_MARKER) == "file":
+            for e in out:
+                _local_coverage(root, e)
     out.sort(key=lambda e: (e.step or 0, e.name.startswith("."), e.name))
     return out
+
+
+TIER_MARKER = ".shardsafe-tier.json"  # shardsafe.tier.local.MARKER (kept in step by test_tier)
+
+
+def _local_coverage(root: Folder, e: StepEntry) -> None:
+    """A step of a node-local tier folder holds its own ranks' files and replicas, not
+    every file: ``local`` when it holds all, ``partial`` (the rest are on peer nodes) when
+    every file it holds has its recorded size; ``coverage`` names the ranks held."""
+    if e.name.startswith(".") or e.status not in ("valid", "invalid"):
+        return
+    try:
+        with root.open_folder(e.name) as f:
+            manifest, _ = check_step(f)
+            if manifest is None:
+                return
+            held, bad = [], []
+            for entry in manifest.files:
+                if f.kind(entry.name) is None:
+                    continue
+                ok = f.size(entry.name) == entry.nbytes and (not manifest.indexed or (
+                    f.kind(entry.index_name) == "file" and f.size(entry.index_name) == entry.index_bytes))
+                (held if ok else bad).append(entry.rank)
+    except CheckpointError:
+        return
+    if bad:
+        return  # a wrong size: stays invalid
+    n = len(manifest.files)
+    e.coverage = f"files of ranks {_ranges(sorted(held))} ({len(held)} of {n})"
+    e.status, e.problem = ("local", None) if len(held) == n else ("partial", f"holds {e.coverage}; the others "
+                                                                  "are on peer nodes")
+
+
+def _ranges(xs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out) or "none"
 
 
 def _mark_ambiguous(root: Folder, entries: list[StepEntry]) -> None:
@@ -276,6 +322,8 @@ def format_listing(entries: list[StepEntry], folder: PathLike) -> str:
     for e in entries:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created)) if e.created else "-"
         name = e.name + (f"  ({e.problem})" if e.problem and e.status != "valid" else "")
+        if e.coverage and e.status == "local":
+            name += f"  (holds {e.coverage})"
         if e.refers_to:
             name += f"  (refers to {', '.join(e.refers_to)})"
         rows.append((str(e.step) if e.step is not None else "-", e.status, human_bytes(e.size),

@@ -66,6 +66,7 @@ class VerifyReport:
     seconds: float = 0.0
     problems: list[Problem] = field(default_factory=list)
     referred_bytes: int = 0  # of the bytes checked: chunks in other checkpoints' files (incremental)
+    on_peers: list[str] = field(default_factory=list)  # node-local tier: data files held by other nodes
 
     @property
     def ok(self) -> bool:
@@ -75,6 +76,7 @@ class VerifyReport:
         """A JSON-ready dict."""
         return {"path": self.path, "ok": self.ok, "files": self.files, "chunks": self.chunks,
                 "bytes_checked": self.bytes_checked, "referred_bytes": self.referred_bytes, "seconds": self.seconds,
+                "on_peers": self.on_peers,
                 "problems": [p.to_json() for p in self.problems]}
 
     def to_text(self) -> str:
@@ -84,6 +86,8 @@ class VerifyReport:
                    f"checked in {self.seconds:.2f} s{rate}")
         if self.referred_bytes:
             summary += f" ({human_bytes(self.referred_bytes)} of it in the checkpoints this one refers to)"
+        if self.on_peers:
+            summary += f"; {len(self.on_peers)} data file(s) held by peer nodes, not checked here"
         if self.ok:
             return summary + ": OK"
         lines = [f"BAD  {p}" for p in self.problems]
@@ -102,6 +106,9 @@ def _indexes(reader: CheckpointReader) -> tuple[set[int], list[Problem]]:
             reader.fetch_indexes([i])
         except CorruptCheckpointError as exc:
             bad.add(i)
+            if getattr(reader, "local_tier", False) and "missing" in str(exc):
+                reader.peer_ranks = {*getattr(reader, "peer_ranks", set()), entry.rank}
+                continue  # held by a peer node (reported with its data file)
             problems.append(Problem(f"file index: {exc}", entry.index_name))
     return bad, problems
 
@@ -164,12 +171,13 @@ def _geometry(manifest: Manifest, block: int, bad: set[int] | None = None) -> li
     return problems
 
 
-def _values(manifest: Manifest) -> list[Problem]:
+def _values(manifest: Manifest, skip: set[int] | frozenset[int] = frozenset()) -> list[Problem]:
     """Decode every value that a load decodes (the tree, and each saving rank's
-    rank-local values), allocating nothing: what ``load`` would refuse, verify reports."""
+    rank-local values; ``skip``: ranks whose index a node-local folder leaves to peers),
+    allocating nothing: what ``load`` would refuse, verify reports."""
     problems: list[Problem] = []
     ranks = max([len(v) for v in manifest.rank_local.values()], default=1)
-    for rank in range(max(1, ranks)):
+    for rank in (r for r in range(max(1, ranks)) if r not in skip):
         matcher = Matcher(manifest, rank=rank)
         try:
             matcher.materialize(manifest.tree)
@@ -209,12 +217,25 @@ def verify_checkpoint(path: PathLike, *, threads: int | None = None, progress: b
             return report
         with CheckpointReader(backend, location, memory=cp.memory, opened=opened,
                               threads=threads or min(8, os.cpu_count() or 1)) as reader:
+            reader.local_tier = _in_local_tier(backend, location)
             _verify(reader, report, progress)
     finally:
         if checkpointer is None:
             cp.close()
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _in_local_tier(backend: Any, location: str) -> bool:
+    """True for a step folder of a node-local tier folder (its parent holds the tier's marker)."""
+    from .listing import TIER_MARKER
+
+    try:
+        parent, _ = backend.split(location)
+        with backend.open(parent) as f:
+            return f.kind(TIER_MARKER) == "file"
+    except CheckpointError:
+        return False
 
 
 def _check_files(reader: CheckpointReader, report: VerifyReport, bad_index: set[int]
@@ -230,6 +251,9 @@ def _check_files(reader: CheckpointReader, report: VerifyReport, bad_index: set[
         try:
             sizes[i] = files.handle(i).size
         except CorruptCheckpointError as exc:
+            if getattr(reader, "local_tier", False) and "missing" in str(exc):
+                report.on_peers.append(entry.name)  # a node-local copy holds its own ranks' files and replicas
+                continue
             n = sum(1 for t in manifest.tensors.values() for b in t.boxes() if b[2] == i)
             what = "file is missing" if "missing" in str(exc) else str(exc)
             report.problems.append(Problem(f"{what} (it holds {n} chunks)", entry.name))
@@ -270,7 +294,7 @@ def _verify(reader: CheckpointReader, report: VerifyReport, progress: bool | Non
     bad_index, index_problems = _indexes(reader)
     report.problems.extend(index_problems)
     report.problems.extend(_geometry(manifest, block, bad_index))
-    report.problems.extend(_values(manifest))
+    report.problems.extend(_values(manifest, getattr(reader, "peer_ranks", set())))
     usable, sizes = _check_files(reader, report, bad_index)
     nfiles = len(manifest.files)
 
