@@ -78,7 +78,8 @@ LAYERS = [
     {"comm", "exit_settle"},
     {"ops"},
     {"checkpointer", "api", "hf_folder"},
-    {"manager", "manager_config"},
+    {"tier"},  # the node-local recovery tier: saves and loads through the Checkpointer
+    {"manager", "manager_config", "manager_export", "manager_tier"},
     {"tools"},
     {"integrations"},
 ]

@@ -112,7 +112,7 @@ def _resumed(ref: list[dict], resumed: list[dict | None], step: int, tier: str) 
 
 
 def test_local_folders_hold_own_files_and_replicas(stopped: Path) -> None:
-    for node, own in ((0, (0, 1)), (1, (2, 3))):
+    for node in (0, 1):
         steps = sorted(p.name for p in (stopped / "local" / f"node{node}").iterdir() if p.name.startswith("step-"))
         assert steps == ["step-00000004", "step-00000006"]  # local_keep=2 dropped step 2
         names = sorted(p.name for p in (stopped / "local" / f"node{node}" / "step-00000006").iterdir())

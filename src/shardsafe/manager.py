@@ -22,14 +22,11 @@ cleaned), saves nothing and loads nothing (``load`` returns None).
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from .checkpoint_folder import (
     clean_killed,
@@ -52,13 +49,14 @@ from .errors import (
 )
 from .hints import warn_user
 from .manager_config import ASYNC_MODES, TORCHTITAN_ONLY, CheckpointConfig, refuse_torchtitan_only  # noqa: F401 (re-exported)
+from .manager_export import ExportMethods, _join
+from .manager_tier import TierMethods
 from .ops.incremental import chain_depth
 from .ops.load import LoadInfo
 from .steps import by_step, parse_step, step_name, width_of
 from .storage.base import Folder
 
 PathLike = str | os.PathLike
-_tier_log = logging.getLogger("shardsafe.tier")
 METRIC_KEY = "shardsafe_metric"
 """Top-level key of a checkpoint that holds the metric reported with ``save(..., metric=)``."""
 
@@ -93,14 +91,7 @@ def _from_rank0(comm: Comm, compute: Callable[[], list[int]], size: int | None =
     return values if count else []
 
 
-def _join(folder: PathLike, name: str) -> Path | str:
-    text = os.fspath(folder)
-    if "://" in text:  # a URL: Path would fold "s3://" into "s3:/"
-        return text.rstrip("/") + "/" + name
-    return Path(text) / name
-
-
-class CheckpointManager:
+class CheckpointManager(TierMethods, ExportMethods):
     """Step checkpoints in one folder; every rank of the job calls every method.
 
     The manager owns a :class:`~shardsafe.Checkpointer` (its memory budget, staging
@@ -303,35 +294,6 @@ class CheckpointManager:
         if force or step % cfg.interval == 0 or (step == 1 and cfg.enable_first_step_checkpoint):
             self.save(step, state, metric=metric)
         return True
-
-    def save_local(self, step: int, state: dict[str, Any]) -> SaveFuture | None:
-        """Save ``state`` as step ``step`` to the node-local tier (``local=``): each rank's
-        files on its node, copied to ``replicas - 1`` peers, committed on every node once
-        all are there (async unless ``local_async=False``: :meth:`wait` joins it). Every
-        ``promote_every``-th local save is then copied to the persistent folder
-        (:meth:`promote`). Raises CheckpointError when the manager has no local tier, or
-        the local folder cannot hold it (checked before the first local save)."""
-        if self.tier is None:
-            raise CheckpointError("this CheckpointManager has no local tier: pass local='/dev/shm/<run>'")
-        if not self.config.enable or self.config.load_only:
-            return None
-        self._complete_pending()
-        future = self.tier.save(step, state, async_save=self._local_async, compression=self.config.compression,
-                                **({"max_staging_bytes": self.config.max_staging_bytes}
-                                   if self._local_async and self.config.max_staging_bytes else {}))
-        self._local_saves += 1
-        if self._promote_every and self._local_saves % self._promote_every == 0:
-            self.tier.wait()
-            self.promote(step)
-        return future
-
-    def local_steps(self) -> list[int]:
-        """The local steps complete across the live nodes, newest first, as far as the newest
-        (every rank calls it: one all-gather)."""
-        if self.tier is None:
-            return []
-        found = self.tier.find()
-        return [] if found is None else [found[0].step]
 
     def save(self, step: int, state: dict[str, Any], *, metric: float | None = None) -> SaveFuture | None:
         """Save ``state`` as step ``step`` (sync or async per ``async_mode``), then apply
@@ -581,96 +543,6 @@ class CheckpointManager:
             self._loaded_step = s
             return s
         return None
-
-    def _restore_local(self, state: dict[str, Any], step: int | None, persistent: int | None,
-                       **load_kwargs: Any) -> int | None:
-        """Restore the newest step complete in the local tier when it is at least as new as
-        the persistent folder's newest (``persistent``) or is the ``step`` asked for; None
-        (with a log line saying why) when the persistent folder must be used."""
-        found = self.tier.find()
-        if found is None or (step is not None and found[0].step != step) or \
-                (step is None and persistent is not None and found[0].step < persistent):
-            why = "no local step is complete across the live nodes" if found is None else \
-                f"the newest complete local step is {found[0].step}" + \
-                (f", step {step} was asked for" if step is not None else f", the persistent folder has {persistent}")
-            _tier_log.info("local tier: loading from the persistent folder: %s", why)
-            return None
-        try:
-            restored = self.tier.restore(state, found, **load_kwargs)
-        except CheckpointError as exc:
-            warn_user(f"local tier: step {found[0].step} could not be restored ({exc}); loading from the "
-                      "persistent folder")
-            return None
-        _tier_log.info("local tier: restored step %d from %s (%d bytes received from peers)", restored.step,
-                       "this node's folder" if restored.tier == "local" else "this node's folder and peers",
-                       restored.received)
-        self.last_load = restored.info
-        self._loaded_step = restored.step
-        return restored.step
-
-    def promote(self, step: int) -> Path | str:
-        """Copy local step ``step`` to the persistent folder (each rank its node's files, no
-        staging from the model; the manifest last), then apply retention. Returns its path."""
-        from .tier.promote import promote
-
-        if self.tier is None:
-            raise CheckpointError("this CheckpointManager has no local tier to promote from")
-        self.tier.wait()
-        path, _ = self._targets(step)
-        promote(self.tier, step, self.checkpointer, path, self.process_group)
-        self._retain(protect=step)
-        return path
-
-    # -- final export -----------------------------------------------------------------
-    def save_final(self, model: torch.nn.Module, path: PathLike | None = None, *,
-                   dtype: torch.dtype | str | None = None, config: Any = None, generation_config: Any = None,
-                   rename: Any = None, max_shard_size: int | str = "5GB") -> Path:
-        """Export the model's full weights as a Hugging Face folder (every rank calls; rank 0
-        writes) that ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads when
-        there is a config: ``model.safetensors`` (past ``max_shard_size``, like ``5GB``:
-        shards and ``model.safetensors.index.json``), converted to ``dtype`` (default: the
-        config's ``export_dtype``; None keeps the training dtype), config.json and
-        generation_config.json from ``config`` / ``generation_config`` (dicts, transformers
-        configs, or the path of a config.json or Hugging Face folder; default: the model's own
-        ``config`` and ``generation_config``, if any), tied weights written once, names renamed
-        by ``rename`` (see :mod:`shardsafe.hf_folder`). The folder (default ``FOLDER/final``)
-        is built beside its place and replaces it atomically. Returns the weights file
-        (``model.safetensors``, or the index when sharded); every rank raises rank 0's error."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from . import hf_folder
-        from .comm import describe, rebuild
-
-        self._complete_pending()
-        out = path if path is not None else _join(self.folder, "final")
-        comm = resolve(self.process_group)
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dtype is None:
-            dtype = self.config.export_dtype
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype.removeprefix("torch."))
-        first, error = hf_folder.SINGLE_NAME, None
-        if comm.rank == 0:
-            try:
-                tensors = {k: v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()
-                           for k, v in sd.items()}
-                cfg, gen = hf_folder.resolve_configs(config, generation_config, self.checkpointer.locate, model)
-                backend, location = self.checkpointer.locate(out)
-                first, _ = hf_folder.save_model_folder(
-                    backend, location, tensors, max_shard_size=hf_folder.parse_size(max_shard_size), config=cfg,
-                    generation_config=gen, rename=rename, cls=hf_folder.model_class(model))
-            except Exception as exc:
-                if not comm.distributed:
-                    raise
-                error = exc
-        del sd
-        if comm.distributed:
-            status = comm.broadcast_status(describe(error, 0) if error is not None else None)
-            if status is not None:
-                raise error if error is not None else rebuild(status)
-            sharded = comm.broadcast_ints([int(first == hf_folder.INDEX_NAME)] if comm.rank == 0 else None, 1)[0]
-            first = hf_folder.INDEX_NAME if sharded else hf_folder.SINGLE_NAME
-        return _join(out, first)
 
     # -- lifecycle --------------------------------------------------------------------
     def close(self) -> None:

@@ -92,4 +92,12 @@ def publish_node(parent: Folder, name: str) -> None:
     parent.sync()
 
 
-__all__ = ["TIER_SCHEME", "TierBackend", "TierCommit", "TierFolder", "publish_node", "tier_location", "tier_tmp"]
+
+
+def tier_backend() -> LocalBackend:
+    """A backend for ``shardsafe-tier://local`` locations (what callers above storage/ use)."""
+    return TierBackend()
+
+
+__all__ = ["TIER_SCHEME", "TierBackend", "TierCommit", "TierFolder", "publish_node", "tier_backend", "tier_location",
+           "tier_tmp"]

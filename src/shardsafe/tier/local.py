@@ -4,7 +4,7 @@ fastest complete copy.
 Save (every rank calls; collectives on the tier's own gloo group, never the training group):
 1. each node's leader clears what an earlier save of the step left; barrier;
 2. an ordinary save to ``LOCAL/step-N`` through the manager's Checkpointer (sync or async,
-   the same budget and format), with :class:`~shardsafe.storage.tier.TierCommit`: every
+   the same budget and format), through the tier's commit strategy (storage/tier.py): every
    rank writes its files into its own node's staging folder, rank 0 writes the manifest there;
 3. the manifest is broadcast and written into every node's staging folder; each rank's files
    go to its F-1 peers (:mod:`~shardsafe.tier.transfer`), each received file verified
@@ -44,7 +44,8 @@ from ..ops.reader import verify_files
 from ..steps import parse_step, step_name
 from ..storage.base import Folder
 from ..storage.commit import leftover_of
-from ..storage.tier import TIER_SCHEME, TierBackend, publish_node, tier_location, tier_tmp
+from ..storage.tier import TIER_SCHEME, publish_node, tier_backend, tier_location, tier_tmp
+from ..workers import start_thread
 from .topology import Topology, discover, node_id
 from .transfer import Stats, Transfer, exchange
 
@@ -165,7 +166,7 @@ class LocalTier:
                         nodes)
             replicas = nodes
         self.topo: Topology = discover(self.tcomm, self.node, replicas, stride)
-        self.backend = TierBackend()
+        self.backend = tier_backend()
         checkpointer.backends[TIER_SCHEME] = self.backend
         self.leader = self.topo.leader(comm.rank) == comm.rank
         error = None
@@ -251,8 +252,7 @@ class LocalTier:
             except BaseException as exc:  # noqa: BLE001 - raised by wait()
                 self._error = exc
 
-        self._thread = threading.Thread(target=background, name=f"shardsafe-tier-{step}", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(background, f"tier-{step}")
         return future
 
     def wait(self) -> None:
