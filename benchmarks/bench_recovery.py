@@ -193,7 +193,9 @@ def c_rep(rank: int, world: int, step: int) -> dict:
     st = mgr.tier.last_stats
     out["repl"] = tuple(st) if st is not None else None
     dist.barrier()
-    out["node_bytes"] = _tree_bytes(_node_root(local, rank // 2))
+    root = _node_root(local, rank // 2)
+    out["node_bytes"] = sum(_tree_bytes(p) for p in root.iterdir() if p.is_dir() and f"{step:08d}" in p.name
+                            and "tmp" not in p.name)  # this step only (local_keep=2 keeps an older one too)
 
     # 2: process crash: restore from this node's folder, then raw reads of the same folder
     dest = _fresh_state()
@@ -204,8 +206,7 @@ def c_rep(rank: int, world: int, step: int) -> dict:
     out["crash_tier"] = mgr.last_load.tier
     out["crash_step"] = got
     out["crash_bytes"] = getattr(mgr.last_load, "bytes_read", None)
-    step_dir = next(p for p in _node_root(local, rank // 2).iterdir() if p.is_dir() and str(step) in p.name
-                    and "tmp" not in p.name)
+    step_dir = next(p for p in root.iterdir() if p.is_dir() and f"{step:08d}" in p.name and "tmp" not in p.name)
     files = sorted(f for f in step_dir.rglob("*") if f.is_file())
     mine = [f for f in files if f"-r{rank:05d}" in f.name]  # this rank's data and index files: what it loads
     if not mine:  # another naming: the node's files split between its ranks by size
@@ -344,9 +345,10 @@ def _summarize(res: dict) -> tuple[str, dict]:
     rows = [
         ["node loss: restore from peers (tier " + "/".join(sorted(tiers)) + ")", f"{peers:.3f} s", "", ""],
         [f"  (a) persistent load, reads throttled to {THROTTLE_BPS / 1e6:.0f} MB/s per rank (tier "
-         + "/".join(sorted(slow_tiers)) + ")", f"{slow:.3f} s", f"{slow / peers:.1f}x slower",
+         + "/".join(sorted(slow_tiers)) + ")", f"{slow:.3f} s", f"throttled / peers {slow / peers:.1f}x",
          f"{verdict(checks['peer_vs_throttled'] and checks['peers_tier'])} (>= {TARGETS['peer_vs_throttled']:.0f}x)"],
-        ["  (b) DCP load, persistent folder, unthrottled", f"{dcp_s:.3f} s", f"{dcp_s / peers:.1f}x", "info"],
+        ["  (b) DCP load, persistent folder, unthrottled", f"{dcp_s:.3f} s",
+         f"DCP / peers {dcp_s / peers:.1f}x", "info"],
         ["peer transfer bandwidth per receiving rank (bytes / transfer s)", f"{xfer / gb:.3f} GB/s", "", ""],
         ["  raw gloo isend/irecv, r -> r+2, one way, same piece size", f"{raw1 / gb:.3f} GB/s",
          f"{xfer / raw1:.2f} of raw", f"{verdict(checks['bw_fraction'])} (>= {TARGETS['bw_fraction']})"],
@@ -363,7 +365,7 @@ def _summarize(res: dict) -> tuple[str, dict]:
         [f"{TRAIN_STEPS} training steps, nothing in the background", f"{tr_alone:.3f} s", "", ""],
         [f"  {TRAIN_STEPS} training steps during a local save + replication (CPU contention, 2 vCPUs)",
          f"{tr_bg:.3f} s", f"{tr_bg / tr_alone:.2f}x", "info"],
-        ["local folder bytes, node 0 / node 1 (own + replicas; state total "
+        ["local folder bytes of one step, node 0 / node 1 (own + replicas; state total "
          f"{total / gb:.3f} GB)", f"{node_bytes / gb:.3f} / {node1_bytes / gb:.3f} GB",
          f"{node_bytes / total:.2f}x state", "info"],
         ["peak RSS above the model during a local save + replication (max rank)",
