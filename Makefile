@@ -42,6 +42,7 @@ bench: install
 	$(PY) benchmarks/bench_export.py
 	$(PY) benchmarks/bench_s3.py
 	$(PY) benchmarks/bench_compression.py
+	$(PY) benchmarks/bench_recovery.py
 
 faults: install
 	$(PY) -m faults.campaign
