@@ -313,6 +313,10 @@ class LocalTier:
                     (f.open_folder(source) if sends else contextlib.nullcontext()) as src:
                 stats = exchange(transfers, self.comm.rank, self.group, self.cp.memory,
                                  lambda n: src.open_read(n), lambda n: _fresh(s, n))
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        self.tcomm.agree(error)  # every file has arrived on every node before any is checked
+        try:
             got = [t.name for t in transfers if t.dst == self.comm.rank]
             if got:
                 verify_files(self.backend, tier_location(self.root / tmp), got, self.cp.memory)
@@ -400,10 +404,11 @@ class LocalTier:
         for node in sorted(set(self.topo.nodes)):
             ranks = self.topo.ranks_on(node)
             missing = sorted(n for n in files if node not in held_on.get(n, set()))
-            for i, n in enumerate(missing):
+            stems = sorted({n.split(".")[0] for n in missing})  # a data file and its index go to one rank
+            for n in missing:
                 src = min(where[n], key=lambda r: (load.get(r, 0), r))
                 load[src] = load.get(src, 0) + files[n]
-                out.append(Transfer(src, ranks[i % len(ranks)], n, files[n]))
+                out.append(Transfer(src, ranks[stems.index(n.split(".")[0]) % len(ranks)], n, files[n]))
         return out
 
     def close(self) -> None:
