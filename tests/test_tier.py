@@ -127,6 +127,13 @@ def test_node_loss_restores_from_peers_bitwise(tmp_path: Path, stopped: Path, re
     resumed = launch(tmp_path, "b", {"stop": CFG["total"], "load": True})
     _resumed(reference, resumed, 6, "peers")
     assert [o["received"] > 0 for o in resumed] == [False, False, True, True]
+    # node 1 fetched only the files its ranks read (their own; the replicated values packed
+    # into rank 0's file were read on node 0 and sent), not every file of the step
+    step6 = tmp_path / "local" / "node1" / "step-00000006"
+    names = sorted(p.name for p in step6.iterdir())
+    assert [n for n in names if n.endswith(".safetensors")] == [f"data-r{r:05d}-00.safetensors" for r in (2, 3)]
+    fetched = sum(p.stat().st_size for p in step6.iterdir() if p.name != "manifest.json")
+    assert resumed[2]["received"] + resumed[3]["received"] == fetched
 
 
 def test_every_process_killed_restores_from_its_own_node(tmp_path: Path, stopped: Path,

@@ -46,6 +46,7 @@ from ..storage.base import Folder
 from ..storage.commit import leftover_of
 from ..storage.tier import TIER_SCHEME, publish_node, tier_backend, tier_location, tier_tmp
 from ..workers import start_thread
+from .needs import files_needed
 from .topology import Topology, discover, node_id
 from .transfer import Stats, Transfer, exchange
 
@@ -368,7 +369,12 @@ class LocalTier:
         data = self.tcomm.broadcast_bytes(data, src)
         m = Manifest.from_bytes(data, f"local step {step}'s manifest")
         files = manifest_files(m)
-        transfers = self._fetch_plan(files, where)
+        transfers = self._fetch_plan(files, where, self._needs(m, state, False, load_kwargs))
+        if transfers and load_kwargs.get("broadcast_replicated") is None:
+            # a node lacks files its ranks read: replicated pieces read by a rank whose node
+            # holds them and sent (the load's broadcast) may spare fetching whole files
+            load_kwargs = {**load_kwargs, "broadcast_replicated": True}
+            transfers = self._fetch_plan(files, where, self._needs(m, state, True, load_kwargs))
         if self.leader:
             try:
                 with self._folder() as f:
@@ -394,16 +400,27 @@ class LocalTier:
         info.bytes_from_peers = stats.received
         return Restored(step, tier, info, stats.received)
 
-    def _fetch_plan(self, files: dict[str, int], where: dict[str, list[int]]) -> list[Transfer]:
-        """For each node, the files of the step it lacks: received by its ranks in turn,
-        each sent by the holder with the fewest bytes to send so far (the same plan on
-        every rank)."""
+    def _needs(self, m: Manifest, state: dict[str, Any], broadcast: bool, load_kwargs: dict[str, Any]
+               ) -> list[set[str] | None]:
+        """Per rank, the files of the step its load reads (:func:`files_needed`; one all-gather)."""
+        kwargs = {k: v for k, v in load_kwargs.items() if k in ("strict", "exclude", "cast_dtype")}
+        need = files_needed(m, state, self.comm, broadcast=broadcast, **kwargs)
+        wire = json.dumps(None if need is None else sorted(need)).encode()
+        return [None if b == b"null" else set(json.loads(b)) for b in self.tcomm.all_gather_bytes(wire)]
+
+    def _fetch_plan(self, files: dict[str, int], where: dict[str, list[int]],
+                    needs: list[set[str] | None]) -> list[Transfer]:
+        """For each node, the files of the step it lacks that its ranks' load reads
+        (``needs``, per rank: :func:`files_needed`; None: every file): received by its
+        ranks in turn, each sent by the holder with the fewest bytes to send so far (the
+        same plan on every rank)."""
         held_on = {n: {self.topo.nodes[r] for r in ranks} for n, ranks in where.items()}
         load: dict[int, int] = {}
         out = []
         for node in sorted(set(self.topo.nodes)):
             ranks = self.topo.ranks_on(node)
-            missing = sorted(n for n in files if node not in held_on.get(n, set()))
+            wanted = _union([needs[r] for r in ranks], files)
+            missing = sorted(n for n in files if n in wanted and node not in held_on.get(n, set()))
             stems = sorted({n.split(".")[0] for n in missing})  # a data file and its index go to one rank
             for n in missing:
                 src = min(where[n], key=lambda r: (load.get(r, 0), r))
@@ -423,6 +440,16 @@ class LocalTier:
 
             destroy_groups([self.group])
             self.group = None
+
+
+def _union(needs: list[set[str] | None], files: dict[str, int]) -> set[str]:
+    """The files some of ``needs`` asks for (every one of ``files`` when one says None)."""
+    out: set[str] = set()
+    for n in needs:
+        if n is None:
+            return set(files)
+        out |= n
+    return out
 
 
 def _fresh(folder: Folder, name: str) -> Any:
