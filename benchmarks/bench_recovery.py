@@ -15,7 +15,9 @@ Every repetition runs each measurement once, in this order (medians over ``--rep
    bandwidth (bytes received / transfer seconds) against raw gloo isend/irecv of
    tier/transfer.py's PIECE-sized uint8 tensors between ranks r and r+2, in the same run.
 2. Process crash (nothing deleted): ``manager.load`` (tier "local") against plain reads of
-   the step folder's files on the node (split between its ranks), in GB/s.
+   the step folder's files on the node (split between its ranks), in GB/s, and against the
+   engine's own load of the same folder (``Checkpointer.load``, verified and not): the
+   floor of any restore, the node-loss one included.
 3. Cost: blocking time of an async local save (until ``save_local`` returns) against
    ``Checkpointer.async_save`` of the same state; training steps with a local save and its
    replication in the background against without (CPU contention on 2 vCPUs).
@@ -223,6 +225,14 @@ def c_rep(rank: int, world: int, step: int) -> dict:
                 raw += k
     out["raw_s"] = time.perf_counter() - t0
     out["raw_bytes"] = raw
+    # the floor of a restore: the engine's own load of the node's step folder (no tier:
+    # no holdings all-gather, no fetch plan), verified and not
+    for key, verify in (("plain_s", True), ("noverify_s", False)):
+        dest = _fresh_state()
+        dist.barrier()
+        t0 = time.perf_counter()
+        mgr.checkpointer.load(dest, mgr.tier.location(step), verify=verify)
+        out[key] = time.perf_counter() - t0
 
     # 1: node loss: node 1's local folder deleted, restore from peers
     dist.barrier()
@@ -314,6 +324,8 @@ def _summarize(res: dict) -> tuple[str, dict]:
     slow = med(mx("slow_s"))
     dcp_s = med(mx("dcp_s"))
     crash = med(mx("crash_s"))
+    plain = med(mx("plain_s"))
+    noverify = med(mx("noverify_s"))
     # bandwidths: per receiving rank of node 1 (ranks 2, 3)
     xfer = med(lambda r: median([x["peers_xfer"][1] / x["peers_xfer"][2] for x in r[2:] if x["peers_xfer"]]))
     raw1 = median([p["one way"] for p in res["p2p"][2:]])
@@ -349,6 +361,8 @@ def _summarize(res: dict) -> tuple[str, dict]:
          f"{verdict(checks['peer_vs_throttled'] and checks['peers_tier'])} (>= {TARGETS['peer_vs_throttled']:.0f}x)"],
         ["  (b) DCP load, persistent folder, unthrottled", f"{dcp_s:.3f} s",
          f"DCP / peers {dcp_s / peers:.1f}x", "info"],
+        ["  (c) floor: the engine's verified load of a node's step folder (nothing to fetch, no tier)",
+         f"{plain:.3f} s", f"throttled / floor {slow / plain:.1f}x", "info"],
         ["peer transfer bandwidth per receiving rank (bytes / transfer s)", f"{xfer / gb:.3f} GB/s", "", ""],
         ["  raw gloo isend/irecv, r -> r+2, one way, same piece size", f"{raw1 / gb:.3f} GB/s",
          f"{xfer / raw1:.2f} of raw", f"{verdict(checks['bw_fraction'])} (>= {TARGETS['bw_fraction']})"],
@@ -359,6 +373,8 @@ def _summarize(res: dict) -> tuple[str, dict]:
         ["  plain reads of the node's step folder files", f"{raw_gbps / gb:.2f} GB/s per rank",
          f"{crash_gbps / raw_gbps:.2f}x of raw",
          f"{verdict(checks['local_vs_raw'] and checks['crash_tier'])} (>= {TARGETS['local_vs_raw']}x)"],
+        ["  the engine's load of the same folder, verified / verify=False (no tier)",
+         f"{plain:.3f} / {noverify:.3f} s", f"restore / verified load {crash / plain:.2f}x", "info"],
         ["blocking time: async local save (save_local returns)", f"{blk_local:.3f} s", "", ""],
         ["  blocking time: Checkpointer.async_save, same state", f"{blk_async:.3f} s",
          f"{blk_local / blk_async:.2f}x", "info"],
