@@ -355,7 +355,6 @@ class LocalTier:
         self.wait()
         step, where = found[0].step, found[1]
         name = step_name(step)
-        tmp = tier_tmp(name)
         src = min(r for ranks in where.values() for r in ranks)
         data = None
         error: BaseException | None = None
@@ -375,17 +374,29 @@ class LocalTier:
             # holds them and sent (the load's broadcast) may spare fetching whole files
             load_kwargs = {**load_kwargs, "broadcast_replicated": True}
             transfers = self._fetch_plan(files, where, self._needs(m, state, True, load_kwargs))
+        stats = self._fetch(transfers, name, data) if transfers else Stats(0, 0, 0.0)  # the same on every rank
+        info = self.cp.load(state, self.location(step), process_group=self.process_group, **load_kwargs)
+        tier = "peers" if transfers else "local"
+        info.tier = tier
+        info.bytes_from_peers = stats.received
+        return Restored(step, tier, info, stats.received)
+
+    def _fetch(self, transfers: list[Transfer], name: str, manifest: bytes) -> Stats:
+        """Receive ``transfers`` into a staging folder beside step folder ``name``
+        (verified), then merge them into it on each node."""
+        tmp = tier_tmp(name)
+        error: BaseException | None = None
         if self.leader:
             try:
                 with self._folder() as f:
                     with contextlib.suppress(CheckpointError):
                         f.remove_tree(tmp)
                     with f.open_folder(tmp, create=True) as s:
-                        s.write_bytes(MANIFEST_NAME, data, durable=False)
+                        s.write_bytes(MANIFEST_NAME, manifest, durable=False)
             except Exception as exc:  # noqa: BLE001
                 error = exc
         self.tcomm.agree(error)
-        stats = self._move(transfers, tmp, name) if transfers else Stats(0, 0, 0.0)
+        stats = self._move(transfers, tmp, name)
         if self.leader:
             try:
                 with self._folder() as f:
@@ -393,12 +404,7 @@ class LocalTier:
             except Exception as exc:  # noqa: BLE001
                 error = exc
         self.tcomm.agree(error)
-        received = [int(b) for b in self.tcomm.all_gather_bytes(str(stats.received).encode())]
-        info = self.cp.load(state, self.location(step), process_group=self.process_group, **load_kwargs)
-        tier = "peers" if any(received) else "local"
-        info.tier = tier
-        info.bytes_from_peers = stats.received
-        return Restored(step, tier, info, stats.received)
+        return stats
 
     def _needs(self, m: Manifest, state: dict[str, Any], broadcast: bool, load_kwargs: dict[str, Any]
                ) -> list[set[str] | None]:
