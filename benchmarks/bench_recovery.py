@@ -54,6 +54,9 @@ from _common import (  # noqa: E402
     write_json,
 )
 from _dist_common import WorkerPool, malloc_trim, source_banner, source_state, verdict  # noqa: E402
+from _young_daly import BYTES_PER_RANK, GPUS, MTBF  # noqa: E402
+from _young_daly import measured as young_daly_measured  # noqa: E402
+from _young_daly import table as young_daly_table  # noqa: E402
 from bench_distributed import FULL, QUICK, _build_fsdp, _local_bytes, _state_of, _train_step, param_count  # noqa: E402
 
 import shardsafe  # noqa: E402
@@ -443,6 +446,9 @@ def main() -> int:
           f"replicas=2, {args.reps} reps, medians; max over ranks unless said)")
     print()
     print(text)
+    print(f"\n### Expected lost work, {GPUS:,} GPUs, one failure every {MTBF / 3600:.0f} h, "
+          f"{BYTES_PER_RANK / 1e6:.0f} MB of state per rank (measured costs scaled by bytes; _young_daly.py)\n")
+    print(young_daly_table(young_daly_measured(res)))
     print(f"\nwall time {res['wall_s']:.0f}s; JSON: {write_json(args.out, res)}")
     return 0
 
