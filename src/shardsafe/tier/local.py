@@ -90,8 +90,9 @@ def manifest_files(m: Manifest) -> dict[str, int]:
     return out
 
 
-def node_holdings(folder: Folder) -> list[TierStep]:
-    """The committed local steps in ``folder`` (this node), newest first; unreadable ones skipped."""
+def node_holdings(folder: Folder, parsed: dict[str, Manifest] | None = None) -> list[TierStep]:
+    """The committed local steps in ``folder`` (this node), newest first; unreadable ones
+    skipped. ``parsed`` (when given) receives each step's manifest by digest."""
     out = []
     for name in folder.names():
         step = parse_step(name)
@@ -106,6 +107,8 @@ def node_holdings(folder: Folder) -> list[TierStep]:
         except CheckpointError:
             continue
         out.append(TierStep(step, checksum(data), len(expected), held))
+        if parsed is not None:
+            parsed[out[-1].digest] = m
     return sorted(out, key=lambda s: -s.step)
 
 
@@ -168,6 +171,7 @@ class LocalTier:
             replicas = nodes
         self.topo: Topology = discover(self.tcomm, self.node, replicas, stride)
         self.backend = tier_backend()
+        self._parsed: dict[str, Manifest] = {}  # manifests read by the last holdings(), by digest
         checkpointer.backends[TIER_SCHEME] = self.backend
         self.leader = self.topo.leader(comm.rank) == comm.rank
         error = None
@@ -196,8 +200,9 @@ class LocalTier:
 
     def holdings(self) -> list[TierStep]:
         """The committed local steps this node holds, newest first."""
+        self._parsed.clear()  # the manifests of the last look only
         with self._folder() as f:
-            return node_holdings(f)
+            return node_holdings(f, self._parsed)
 
     # -- saving -------------------------------------------------------------------------
     def check_space(self, state: dict[str, Any]) -> None:
@@ -366,9 +371,13 @@ class LocalTier:
                 error = exc
         self.tcomm.agree(error)
         data = self.tcomm.broadcast_bytes(data, src)
-        m = Manifest.from_bytes(data, f"local step {step}'s manifest")
+        m = self._parsed.get(checksum(data)) or Manifest.from_bytes(data, f"local step {step}'s manifest")
         files = manifest_files(m)
-        transfers = self._fetch_plan(files, where, self._needs(m, state, False, load_kwargs))
+        nodes = set(self.topo.nodes)
+        if all(nodes <= {self.topo.nodes[r] for r in where.get(n, ())} for n in files):
+            transfers = []  # every node holds every file: nothing to plan
+        else:
+            transfers = self._fetch_plan(files, where, self._needs(m, state, False, load_kwargs))
         if transfers and load_kwargs.get("broadcast_replicated") is None:
             # a node lacks files its ranks read: replicated pieces read by a rank whose node
             # holds them and sent (the load's broadcast) may spare fetching whole files
