@@ -65,24 +65,39 @@ class BlockCache:
             self.hits += 1
             return got[0]
 
-    def keep(self, key: _Key, data: memoryview) -> None:
-        """Keep a copy of verified block ``data`` when the capacity and the budget allow."""
-        n = len(data)
+    def reserve(self, n: int) -> tuple[memoryview, Lease | None] | None:
+        """Room for a block of ``n`` bytes to be decompressed straight into, counted as kept
+        (``put`` it once verified, else ``unreserve`` it); None when the capacity or the
+        budget has no room."""
         memory = self._memory()
         with self._lock:
-            if key in self._blocks or self.held + n > self.capacity:
-                return
+            if self.held + n > self.capacity:
+                return None
             if memory is not None and memory.limit is not None and memory.in_use + n > memory.limit:
-                return
+                return None
             self.held += n
         if memory is None:
-            view, lease = memoryview(bytearray(n)), None
-        else:
-            lease = memory.lease(n, wait=False)
-            view = memoryview(lease.tensor.numpy())[:n]
-        view[:] = data
+            return memoryview(bytearray(n)), None
+        lease = memory.lease(n, wait=False)
+        return memoryview(lease.tensor.numpy())[:n], lease
+
+    def put(self, key: _Key, view: memoryview, lease: Lease | None) -> memoryview:
+        """Keep a reserved, verified block; returns the kept view (another thread's, when it
+        kept the same block first: then this one is given back)."""
         with self._lock:
-            self._blocks[key] = (view, lease)
+            got = self._blocks.get(key)
+            if got is None:
+                self._blocks[key] = (view, lease)
+                return view
+        self.unreserve(view, lease)
+        return got[0]
+
+    def unreserve(self, view: memoryview, lease: Lease | None) -> None:
+        """Give back a reservation that was not kept."""
+        with self._lock:
+            self.held -= len(view)
+        if lease is not None:
+            lease.release()
 
     def close(self) -> None:
         """Release every kept block."""
@@ -231,22 +246,25 @@ class ZHandle(ReadHandle):
                     self.inner.read_into([stored], lo)
                 with self._lock:
                     self.stored_read += n
-            out, lease = self._buffer(raw)
+            slot = self._shared.reserve(raw) if self._shared is not None else None
+            out, lease = slot if slot is not None else self._buffer(raw)  # kept blocks: no copy later
             what = f"{self.where}, tensor '{row.key}', stored block at bytes {lo}-{lo + n}"
             try:
                 decompress_into(row.codec, stored, row.itemsize, out)
                 if checksum(out) != row.sums[b]:
                     raise CorruptCheckpointError(f"checksum mismatch in {what} (decompressed): the data is corrupt")
-            except CodecError as exc:
-                self._drop(lease)
-                raise CorruptCheckpointError(f"{what}: {exc}: the data is corrupt") from None
-            except BaseException:
-                self._drop(lease)
+            except BaseException as exc:
+                if slot is not None and self._shared is not None:
+                    self._shared.unreserve(out, lease)
+                else:
+                    self._drop(lease)
+                if isinstance(exc, CodecError):
+                    raise CorruptCheckpointError(f"{what}: {exc}: the data is corrupt") from None
                 raise
         finally:
             self._drop(stored_lease)
-        if self._shared is not None:
-            self._shared.keep((id(self), *key), out)
+        if slot is not None and self._shared is not None:
+            out, lease = self._shared.put((id(self), *key), out, lease), None  # the cache owns it now
         cache.append((key, out, lease))
         if len(cache) > CACHED_BLOCKS:
             self._drop(cache.pop(0)[2])
