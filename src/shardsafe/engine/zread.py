@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 
+import numpy as np
+
 from .. import knobs
 from ..errors import CorruptCheckpointError
 from ..format.checksum import checksum
@@ -159,7 +161,7 @@ class ZHandle(ReadHandle):
                 data = self._block(row, b)
                 within = pos - (row.logical + b * self.block)
                 take = min(len(data) - within, n - done)
-                buf[done: done + take] = data[within: within + take]
+                _copy(buf[done: done + take], data[within: within + take])
                 done += take
                 pos += take
 
@@ -417,4 +419,14 @@ class ReadAhead:
         self.helper.shutdown(wait=True)
 
 
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` with the GIL released (numpy's copy; a memoryview assignment holds
+    it, so landing threads would take turns)."""
+    if len(src) < 65536:
+        dst[:] = src
+    else:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+
 __all__ = ["BlockCache", "Fetched", "ReadAhead", "ZHandle"]
+
