@@ -377,12 +377,12 @@ class LocalTier:
         if all(nodes <= {self.topo.nodes[r] for r in where.get(n, ())} for n in files):
             transfers = []  # every node holds every file: nothing to plan
         else:
-            transfers = self._fetch_plan(files, where, self._needs(m, state, False, load_kwargs))
-        if transfers and load_kwargs.get("broadcast_replicated") is None:
-            # a node lacks files its ranks read: replicated pieces read by a rank whose node
-            # holds them and sent (the load's broadcast) may spare fetching whole files
-            load_kwargs = {**load_kwargs, "broadcast_replicated": True}
-            transfers = self._fetch_plan(files, where, self._needs(m, state, True, load_kwargs))
+            if load_kwargs.get("broadcast_replicated") is None:
+                # a node lacks files: replicated pieces are read by the rank whose file holds
+                # them and sent (the load's broadcast), so no node fetches a file for them
+                load_kwargs = {**load_kwargs, "broadcast_replicated": True}
+            transfers = self._fetch_plan(files, where,
+                                         self._needs(m, state, bool(load_kwargs["broadcast_replicated"]), load_kwargs))
         stats = self._fetch(transfers, name, data) if transfers else Stats(0, 0, 0.0)  # the same on every rank
         info = self.cp.load(state, self.location(step), process_group=self.process_group, **load_kwargs)
         tier = "peers" if transfers else "local"
