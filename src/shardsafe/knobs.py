@@ -109,6 +109,11 @@ SPILL_REQUEST_BYTES = _knob("SPILL_REQUEST_BYTES", 32 * MiB, "one remote request
                             "(parallelism within a file)", minimum=64 * KiB)
 SPILL_PIECE = _knob("SPILL_PIECE", 2 * MiB, "bytes held in memory per remote request while they are written to "
                     "the spill", minimum=4 * KiB)
+SPILL_MEMORY = _knob("SPILL_MEMORY", 0, "with no memory budget, a remote load keeps at most this many bytes of "
+                     "the ranges it fetched in memory (the rest go to a local spill file); with a budget: its free "
+                     "room", minimum=0)
+SPILL_HEADROOM = _knob("SPILL_HEADROOM", 8 * MiB, "of a memory budget's free room, this much is left to the "
+                       "reader's own buffers when a remote load keeps fetched ranges in memory", minimum=0)
 STALE_AFTER_S = _knob("STALE_AFTER_S", 6 * 3600, "seconds after which a leftover temp folder counts as abandoned "
                       "where the filesystem has no locks")
 
