@@ -86,7 +86,7 @@ def test_a_budget_too_small_spills_to_disk(s3, small_requests, budget_mib, path)
             assert info.bytes_fetched_to_memory == 0
         else:
             assert 0 < info.bytes_fetched_to_memory < data
-            assert info.bytes_fetched_to_memory <= budget_mib * MiB - spill_headroom()
+            assert info.bytes_fetched_to_memory <= budget_mib * MiB - spill_headroom()  # not all fit: headroom kept
         assert cp.memory.in_use == 0
     finally:
         cp.close()

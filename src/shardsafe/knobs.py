@@ -113,7 +113,8 @@ SPILL_MEMORY = _knob("SPILL_MEMORY", 0, "with no memory budget, a remote load ke
                      "the ranges it fetched in memory (the rest go to a local spill file); with a budget: its free "
                      "room", minimum=0)
 SPILL_HEADROOM = _knob("SPILL_HEADROOM", 8 * MiB, "of a memory budget's free room, this much is left to the "
-                       "reader's own buffers when a remote load keeps fetched ranges in memory", minimum=0)
+                       "reader's own buffers when a remote load keeps some of the ranges it fetched in memory "
+                       "(not all fit)", minimum=0)
 STALE_AFTER_S = _knob("STALE_AFTER_S", 6 * 3600, "seconds after which a leftover temp folder counts as abandoned "
                       "where the filesystem has no locks")
 

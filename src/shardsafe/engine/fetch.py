@@ -17,20 +17,20 @@ import threading
 from ..budget import HostMemory
 from ..errors import CorruptCheckpointError
 from ..format.checksum import checksum
-from ..knobs import SPILL_HEADROOM, SPILL_MEMORY
+from ..knobs import SPILL_MEMORY
 from ..plan.load_plan import BlockCheck
 from ..storage.spill import Fetched
 
 
 def memory_room(memory: HostMemory | None) -> int:
-    """Bytes of fetched ranges a load may keep in memory: the budget's free room less
-    ``SPILL_HEADROOM`` (left for the reader's own buffers); with no budget limit,
-    ``SPILL_MEMORY``."""
+    """Bytes of fetched ranges a load may keep in memory: the budget's free room; with no
+    budget limit, ``SPILL_MEMORY``. (When not everything fits, the spill leaves
+    ``SPILL_HEADROOM`` of it to the reader's buffers.)"""
     if memory is None:
         return 0
     if memory.limit is None:
         return SPILL_MEMORY
-    return max(0, memory.limit - memory.in_use - SPILL_HEADROOM)
+    return max(0, memory.limit - memory.in_use)
 
 
 class FetchChecks:

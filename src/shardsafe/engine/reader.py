@@ -28,7 +28,7 @@ from ..format.dtypes import torch_dtype
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.zindex import LOGICAL_BASE
 from ..knobs import READ_BATCH as BATCH_BYTES
-from ..knobs import REMOTE_VERIFY_WINDOW, VERIFY_WINDOW
+from ..knobs import REMOTE_VERIFY_WINDOW, SPILL_HEADROOM, VERIFY_WINDOW
 from ..layout import Box
 from ..plan.load_plan import BlockCheck, ReadOp
 from ..storage.base import Folder, ReadHandle
@@ -166,7 +166,8 @@ class OpenFiles:
         plain = {f for f, h in self.handles.items() if isinstance(h, SpilledHandle)}
         early = FetchChecks([c for c in checks or () if c.file in plain], self.name)
         self.checked = early.done
-        return prefetch(handles, ranges, threads, memory, memory_room(memory), early.on_fetched)  # type: ignore[arg-type]
+        return prefetch(handles, ranges, threads, memory, memory_room(memory), SPILL_HEADROOM,  # type: ignore[arg-type]
+                        early.on_fetched)
 
     def held(self, index: int, lo: int, hi: int) -> memoryview | None:
         """Bytes ``[lo, hi)`` of file ``index`` when they were fetched into memory (no copy)."""

@@ -214,18 +214,21 @@ class SpilledHandle(ReadHandle):
 
 
 def prefetch(handles: dict[int, SpilledHandle], ranges: dict[int, list[tuple[int, int]]], threads: int,
-             memory: HostMemory | None = None, memory_room: int = 0,
+             memory: HostMemory | None = None, memory_room: int = 0, headroom: int = 0,
              on_fetched: Callable[[int], Fetched | None] | None = None) -> int:
     """Fetch ``ranges`` (per file index) into the handles' spills on ``threads`` threads
-    (merged, then cut into requests). Requests go into memory leased from ``memory``
-    (largest first, each that still fits ``memory_room`` bytes), the others to disk;
-    ``on_fetched(file)``: the callback of each request fetched into memory. Returns the
-    bytes fetched."""
+    (merged, then cut into requests). Requests go into memory leased from ``memory``: all
+    of them when they fit ``memory_room`` bytes, else (``headroom`` bytes of the room left
+    to the reader's buffers for what is read from disk) each that still fits, largest
+    first; the others to disk. ``on_fetched(file)``: the callback of each request fetched
+    into memory. Returns the bytes fetched."""
     jobs = [(f, lo, hi) for f, rs in ranges.items() for lo, hi in merge_ranges(rs)]
     jobs.sort(key=lambda j: -(j[2] - j[1]))
     if not jobs:
         return 0
     if memory is not None:
+        if sum(hi - lo for _, lo, hi in jobs) > memory_room:
+            memory_room -= headroom
         for f, lo, hi in jobs:
             if hi - lo <= memory_room:
                 handles[f].hold(lo, hi, memory.lease(hi - lo, wait=False))  # counted at once: never blocks a reader
