@@ -95,6 +95,8 @@ READ_BATCH = _knob("READ_BATCH", 8 * MiB, "direct reads into destinations are ba
 VERIFY_WINDOW = _knob("VERIFY_WINDOW", 2 * MiB, "bytes read at once to be verified, local files")
 REMOTE_VERIFY_WINDOW = _knob("REMOTE_VERIFY_WINDOW", 8 * MiB, "bytes read at once to be verified, remote "
                              "files (one request each)")
+SHARE_PACK = _knob("SHARE_PACK", 4 * MiB, "a broadcast load sends replicated pieces smaller than this packed "
+                   "together, up to this many bytes per message")
 LOAD_RETRIES = _knob("LOAD_RETRIES", 3, "a load that sees its checkpoint replaced mid-way starts again this often",
                      minimum=0)
 

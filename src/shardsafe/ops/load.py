@@ -41,6 +41,7 @@ from .metadata import (
     fetch_rank_local,
     read_manifest_phase,
 )
+from .share import share_phase
 
 T = TypeVar("T")
 
@@ -267,9 +268,7 @@ def _load_once(state_dict: dict[str, Any], backend: Backend, location: str, comm
         load.close()
     result = load.result
     assert result is not None
-    received = 0
-    for s in shared:  # the same order on every rank
-        received += comm.share_tensor(piece_of(result.fills[s.index], s.piece), s.owner, s.members)
+    received = share_phase(comm, shared, lambda s: piece_of(result.fills[s.index], s.piece))
     error = None
     try:
         apply_phase(result)
