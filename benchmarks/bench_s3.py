@@ -394,19 +394,24 @@ def c_load(rank: int, world: int, which: str, name: str, url: str, endpoint: str
     return out
 
 
-def c_load_profiled(rank: int, world: int, name: str, url: str, endpoint: str) -> dict:
-    """A shardsafe load with its phases timed (benchmarks/_load_profile.py)."""
+def c_load_profiled(rank: int, world: int, name: str, url: str, endpoint: str, which: str = "shardsafe") -> dict:
+    """A shardsafe load with its phases timed (benchmarks/_load_profile.py); ``which``:
+    "shardsafe-shard" with a memory budget of the rank's shard."""
     import _load_profile
 
     _load_profile.install()
     dest = bd._W[name]
+    cp = _shard_checkpointer(endpoint, bd._local_bytes(dest)) if which == "shardsafe-shard" else None
     for _, t in bd._locals(dest):
         t.zero_()
     gc.collect()
     dist.barrier()
     _load_profile.reset()
     t0 = time.perf_counter()
-    shardsafe.load(dest, url, storage_options=ss_options(endpoint))
+    if cp is not None:
+        cp.load(dest, url)
+    else:
+        shardsafe.load(dest, url, storage_options=ss_options(endpoint))
     return {"seconds": time.perf_counter() - t0, "phases": _load_profile.take()}
 
 
@@ -561,12 +566,13 @@ def part_requests(pool: WorkerPool, server: Any, proxies: Proxies, res: dict) ->
               f"{', '.join(mib(x) for x in mem[which]['rss_delta'])} (shards "
               f"{', '.join(mib(x) for x in mem[which]['dest_bytes'])}){fetched}", flush=True)
     res["memory"] = mem
-    prof = []
-    for _ in range(3):
-        rs = pool.run(c_load_profiled, "dest", server.url("req/shardsafe"), server.endpoint, timeout=900)
-        prof.append(rs)
-    res["load_profile"] = prof
-    print(f"[5] {profile_text(prof)}", flush=True)
+    for which in ("shardsafe", "shardsafe-shard"):
+        prof = []
+        for _ in range(3):
+            rs = pool.run(c_load_profiled, "dest", server.url("req/shardsafe"), server.endpoint, which, timeout=900)
+            prof.append(rs)
+        res["load_profile" if which == "shardsafe" else "load_profile_shard"] = prof
+        print(f"[5] {which}: {profile_text(prof)}", flush=True)
     server.delete("req/")
     pool.run(c_close_checkpointers)
     pool.run(bd.c_drop, "src", "dest", "src_objs", "dest_objs")
@@ -698,7 +704,9 @@ def summarize(res: dict) -> tuple[str, dict]:
                     f"rank {r}: " + ", ".join(f"{k} {int(v['n'])}" for k, v in kr.items())
                     for r, kr in enumerate(q[w][op]["kinds_per_rank"])))
     if res.get("load_profile"):
-        lines.append(f"\nload profile: {profile_text(res['load_profile'])}")
+        lines.append(f"\nload profile, default budget: {profile_text(res['load_profile'])}")
+    if res.get("load_profile_shard"):
+        lines.append(f"\nload profile, memory_budget = one shard: {profile_text(res['load_profile_shard'])}")
     checks["fsdp_fetch_ratio_shardsafe"] = {"value": q["shardsafe"]["fetch_ratio"], "target": "report"}
     checks["fsdp_fetch_ratio_dcp"] = {"value": q["dcp"]["fetch_ratio"], "target": "report"}
 

@@ -217,22 +217,15 @@ def prefetch(handles: dict[int, SpilledHandle], ranges: dict[int, list[tuple[int
              memory: HostMemory | None = None, memory_room: int = 0, headroom: int = 0,
              on_fetched: Callable[[int], Fetched | None] | None = None) -> int:
     """Fetch ``ranges`` (per file index) into the handles' spills on ``threads`` threads
-    (merged, then cut into requests). Requests go into memory leased from ``memory``: all
-    of them when they fit ``memory_room`` bytes, else (``headroom`` bytes of the room left
-    to the reader's buffers for what is read from disk) each that still fits, largest
-    first; the others to disk. ``on_fetched(file)``: the callback of each request fetched
-    into memory. Returns the bytes fetched."""
+    (merged, then cut into requests), into memory leased from ``memory`` as far as
+    ``memory_room`` bytes go (:func:`_place`), the rest to disk. ``on_fetched(file)``: the
+    callback of each request fetched into memory. Returns the bytes fetched."""
     jobs = [(f, lo, hi) for f, rs in ranges.items() for lo, hi in merge_ranges(rs)]
     jobs.sort(key=lambda j: -(j[2] - j[1]))
     if not jobs:
         return 0
     if memory is not None:
-        if sum(hi - lo for _, lo, hi in jobs) > memory_room:
-            memory_room -= headroom
-        for f, lo, hi in jobs:
-            if hi - lo <= memory_room:
-                handles[f].hold(lo, hi, memory.lease(hi - lo, wait=False))  # counted at once: never blocks a reader
-                memory_room -= hi - lo
+        jobs = _place(handles, jobs, memory, memory_room, headroom)
     calls = {f: (on_fetched(f) if on_fetched is not None else None) for f in ranges}
     if threads <= 1 or len(jobs) == 1:
         for f, lo, hi in jobs:
@@ -242,3 +235,23 @@ def prefetch(handles: dict[int, SpilledHandle], ranges: dict[int, list[tuple[int
             for fut in [pool.submit(handles[f].fetch, lo, hi, calls[f]) for f, lo, hi in jobs]:
                 fut.result()
     return sum(hi - lo for _, lo, hi in jobs)
+
+
+def _place(handles: dict[int, SpilledHandle], jobs: list[tuple[int, int, int]], memory: HostMemory, room: int,
+           headroom: int) -> list[tuple[int, int, int]]:
+    """Set memory aside for requests (largest first): all of them when they fit ``room``
+    bytes, else ``room - headroom`` bytes' worth (``headroom``: for the reader's buffers of
+    what is read from disk), the request that crosses the limit split in two. Returns the
+    requests to make (memory leases are counted at once: they never block a reader)."""
+    if sum(hi - lo for _, lo, hi in jobs) > room:
+        room -= headroom
+    out: list[tuple[int, int, int]] = []
+    for f, lo, hi in jobs:
+        take = min(hi - lo, max(room, 0))
+        if take > 0:
+            handles[f].hold(lo, lo + take, memory.lease(take, wait=False))
+            room -= take
+            out.append((f, lo, lo + take))
+        if lo + take < hi:
+            out.append((f, lo + take, hi))
+    return out
