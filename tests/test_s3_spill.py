@@ -175,3 +175,22 @@ def test_spilled_handle_reads_across_memory_and_disk(monkeypatch):
     finally:
         h.close()
     assert memory.in_use == 0
+
+
+def test_a_compressed_checkpoint_loads_through_memory(s3):
+    """Compressed chunks: their stored blocks are fetched into memory, decompressed and
+    verified from there (blocks are checked after decompression, not on the fetch thread)."""
+    server, bucket, opts = s3
+    sd = {"z": torch.arange(2 * MiB, dtype=torch.float32) % 7, "r": make(torch.float32, (MiB,), seed=3)}
+    info = shardsafe.save(sd, url(bucket, "z"), storage_options=opts, compression="zstd")
+    assert info.compression == "zstd"
+    cp = shardsafe.Checkpointer(storage_options=opts, memory_budget=64 * MiB)
+    try:
+        dest = dest_like(sd)
+        got = cp.load(dest, url(bucket, "z"))
+        for k in sd:
+            assert_same(dest[k], sd[k])
+        assert 0 < got.bytes_fetched == got.bytes_fetched_to_memory <= info.bytes_written
+        assert cp.memory.in_use == 0
+    finally:
+        cp.close()
