@@ -194,3 +194,23 @@ def test_a_compressed_checkpoint_loads_through_memory(s3):
         assert cp.memory.in_use == 0
     finally:
         cp.close()
+
+
+def test_buffers_kept_from_a_save_count_against_the_room(s3):
+    """An async save keeps its part buffers for the next save; a load that needs their room
+    frees them first, so kept + leased memory stays within the budget."""
+    server, bucket, opts = s3
+    sd = state()
+    cp = shardsafe.Checkpointer(storage_options={**opts, "part_size": 5 * MiB}, memory_budget=40 * MiB)
+    try:
+        cp.async_save(sd, url(bucket, "ck")).result(timeout=300)
+        kept = cp.memory.kept_bytes
+        assert kept > 0 and kept + 14 * MiB > 40 * MiB, kept  # the part buffers, kept for reuse
+        dest = dest_like(sd)
+        info = cp.load(dest, url(bucket, "ck"))
+        for k in sd:
+            assert_same(dest[k], sd[k])
+        assert info.bytes_fetched_to_memory == info.bytes_fetched > 40 * MiB - kept  # did not fit beside them
+        assert cp.memory.kept_bytes == 0 and cp.memory.in_use == 0
+    finally:
+        cp.close()

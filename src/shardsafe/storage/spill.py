@@ -242,8 +242,16 @@ def _place(handles: dict[int, SpilledHandle], jobs: list[tuple[int, int, int]], 
     """Set memory aside for requests (largest first): all of them when they fit ``room``
     bytes, else ``room - headroom`` bytes' worth (``headroom``: for the reader's buffers of
     what is read from disk), the request that crosses the limit split in two. Returns the
-    requests to make (memory leases are counted at once: they never block a reader)."""
-    if sum(hi - lo for _, lo, hi in jobs) > room:
+    requests to make (memory leases are counted at once: they never block a reader).
+    Buffers the budget keeps for reuse (a save's parts) count against ``room``; they are
+    freed when the requests would not fit beside them."""
+    total = sum(hi - lo for _, lo, hi in jobs)
+    if memory.limit is not None and memory.kept_bytes:
+        if total > room - memory.kept_bytes:
+            memory.trim()
+        else:
+            room -= memory.kept_bytes
+    if total > room:
         room -= headroom
     out: list[tuple[int, int, int]] = []
     for f, lo, hi in jobs:
