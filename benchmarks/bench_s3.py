@@ -23,7 +23,11 @@ Parts
      objects are deleted afterwards.
        * shardsafe: ``save/load(state, "s3://bucket/...", storage_options={endpoint, key,
          secret, region})`` with default options (16 MiB parts, 4 parts in flight per file;
-         broadcast_replicated at its s3 default). Checksums verified on load.
+         broadcast_replicated at its s3 default; no memory budget: the fetched ranges go
+         to the local spill file). Checksums verified on load.
+       * shardsafe-shard (loads only, of shardsafe's checkpoint): the same load through a
+         ``Checkpointer(memory_budget=<the rank's shard bytes>)``, made once per rank: the
+         fetched ranges are kept in memory leased from the budget (docs/object-storage.md).
        * dcp: ``dcp.save/load(state, storage_writer=FsspecWriter(url, **kw) /
          storage_reader=FsspecReader(url, **kw))``, kw = s3fs's key, secret, client_kwargs
          (endpoint_url, region_name); everything else at its defaults.
@@ -48,17 +52,21 @@ Parts
      checkpoint's size (sum of its objects).
   3. Peak host memory per rank during a (direct, untimed) shardsafe and DCP load of the
      part-2 checkpoints: psutil-free RSS sampling every 1 ms on a thread, minus the RSS
-     right before the load (after gc + malloc_trim); target: <= the rank's local shard +
-     64 MiB. Then (5) three more direct shardsafe loads with their phases timed
-     (benchmarks/_load_profile.py): manifest, indexes, open, spill, verify, land, ...
+     right before the load (after gc + malloc_trim), and bytes fetched / bytes needed (the
+     rank's shard) per rank, for shardsafe, shardsafe-shard and DCP; targets: <= the rank's
+     local shard + its budget (64 MiB for the default, one shard for shardsafe-shard);
+     fetched / needed <= 1.05. Then (5) three more direct loads each of shardsafe and
+     shardsafe-shard with their phases timed (benchmarks/_load_profile.py): manifest,
+     indexes, open, spill, verify, land, ...
   4. DDP-style replicated state at world 4: the same GPT (plain module, same seed and the
      same training step on every rank) + AdamW (--ddp-state full, default) or its weights
      only (--ddp-state model): plain tensors, identical on every rank. Saved once by
      shardsafe and by DCP; loaded through the proxy by shardsafe with
      broadcast_replicated=True and False, and by DCP; bytes fetched / checkpoint size
      (target with broadcast: <= 1.05). Each load is checked bitwise.
-Targets: shardsafe save and load throughput >= 2x DCP-over-fsspec; DDP bytes fetched with
-broadcast <= 1.05x the checkpoint; peak RSS during load <= local shard + 64 MiB.
+Targets: shardsafe save and load throughput >= 2x DCP-over-fsspec; load >= 0.5x the raw
+whole-object GET with the default budget and >= 0.8x with a budget of one shard; DDP bytes
+fetched with broadcast <= 1.05x the checkpoint; peak RSS during load <= local shard + budget.
 """
 
 from __future__ import annotations
