@@ -28,6 +28,7 @@ from ..knobs import SPILL_MERGE_GAP as MERGE_GAP
 from ..knobs import SPILL_PIECE as PIECE
 from ..knobs import SPILL_REQUEST_BYTES as REQUEST_BYTES
 from .base import ReadHandle
+from .memcopy import copy_bytes
 
 
 def merge_ranges(ranges: Sequence[tuple[int, int]], gap: int = MERGE_GAP,
@@ -183,7 +184,7 @@ class SpilledHandle(ReadHandle):
                 i, skip = _locate(views, pos - offset)
                 view = views[i][skip: skip + hi - pos]
                 if mem is not None:
-                    view[:] = mem[pos - lo: pos - lo + len(view)]
+                    copy_bytes(view, mem[pos - lo: pos - lo + len(view)])
                 else:
                     n = os.preadv(self._fd, [view], pos)
                     if n <= 0:
