@@ -258,7 +258,7 @@ def _place(handles: dict[int, SpilledHandle], jobs: list[tuple[int, int, int]], 
     for f, lo, hi in jobs:
         take = min(hi - lo, max(room, 0))
         if take > 0:
-            handles[f].hold(lo, lo + take, memory.lease(take, wait=False))
+            handles[f].hold(lo, lo + take, memory.lease(take, wait=False, huge=True))
             room -= take
             out.append((f, lo, lo + take))
         if lo + take < hi:
