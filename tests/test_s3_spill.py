@@ -214,3 +214,18 @@ def test_buffers_kept_from_a_save_count_against_the_room(s3):
         assert cp.memory.kept_bytes == 0 and cp.memory.in_use == 0
     finally:
         cp.close()
+
+
+def test_a_huge_page_lease_is_counted_writable_and_given_back():
+    from shardsafe.budget import HUGE_MIN, HostMemory
+
+    memory = HostMemory(64 * MiB)
+    lease = memory.lease(HUGE_MIN + 123, wait=False, huge=True)
+    assert memory.in_use == HUGE_MIN + 123 and lease.tensor.numel() == HUGE_MIN + 123
+    lease.tensor.fill_(7)
+    view = memoryview(lease.tensor.numpy())
+    view[-1] = 9
+    assert int(lease.tensor[0]) == 7 and int(lease.tensor[-1]) == 9
+    del view
+    lease.release()
+    assert memory.in_use == 0 and memory.kept_bytes == 0
