@@ -39,6 +39,9 @@ Parts
          stores every part, then copies them into the object on completion; a plain PUT
          cannot retry a part, nor send parts in parallel on a real store): this server's
          floor for a save.
+     Dirty pages are flushed (``os.sync``) between the saves and the loads of a repetition
+     (untimed): the server's write-back of four fresh checkpoints slowed whichever load came
+     first. Use --reps 4 (or 8) so that every loader takes every slot of the rotation once.
      Each rank times barrier -> op end; the time reported is the max over ranks.
      Throughput = state payload (sum of the ranks' local tensor bytes, decimal MB) / time.
      Loads go into a freshly built FSDP2 model + AdamW state (other seed, zeroed before
@@ -462,6 +465,7 @@ def part_fsdp(pool: WorkerPool, server: Any, cfg: dict, reps: int, res: dict) ->
                                   "retries": sum(r["retries"] for r in rs)}
         for which in SAVERS:
             rep["sizes"][which] = server.size(f"{pre}/{which}/")
+        os.sync()  # the server's write-back of the saves would otherwise slow whichever load comes first
         for which in rotated(LOADERS, i + 1):
             rs, srv_cpu = _run(pool, server, c_load, which, "dest", server.url(f"{pre}/{SAVED_BY.get(which, which)}"),
                                ep, "src", False)
