@@ -217,10 +217,11 @@ def test_buffers_kept_from_a_save_count_against_the_room(s3):
 
 
 def test_a_huge_page_lease_is_counted_writable_and_given_back():
-    from shardsafe.budget import HUGE_MIN, HostMemory
+    from shardsafe.budget import HostMemory
+    from shardsafe.storage.hugepages import HUGE_MIN, huge_buffer
 
     memory = HostMemory(64 * MiB)
-    lease = memory.lease(HUGE_MIN + 123, wait=False, huge=True)
+    lease = memory.lease(HUGE_MIN + 123, wait=False, alloc=huge_buffer)
     assert memory.in_use == HUGE_MIN + 123 and lease.tensor.numel() == HUGE_MIN + 123
     lease.tensor.fill_(7)
     view = memoryview(lease.tensor.numpy())

@@ -19,31 +19,12 @@ asynchronous.
 
 from __future__ import annotations
 
-import mmap
 import threading
-import warnings
+from collections.abc import Callable
 
 import torch
 
 from .errors import CheckpointError
-
-HUGE_MIN = 4 << 20  # leases with huge=True from this size are mapped on huge pages
-
-
-def _huge_buffer(nbytes: int) -> torch.Tensor | None:
-    """An anonymous mapping of ``nbytes`` advised onto transparent huge pages, as a uint8
-    tensor (unmapped when the tensor is freed); None where that is not available."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None:
-        return None
-    try:
-        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        m.madvise(advice)
-    except (OSError, ValueError, AttributeError):
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a writable mmap: torch warns about non-writable buffers only
-        return torch.frombuffer(m, dtype=torch.uint8)
 
 
 class Lease:
@@ -91,12 +72,12 @@ class HostMemory:
         return nbytes if self.limit is None else max(1, min(nbytes, self.limit))
 
     def lease(self, nbytes: int, *, keep: bool = False, pin: bool = False, timeout: float | None = None,
-              wait: bool = True, huge: bool = False) -> Lease:
+              wait: bool = True, alloc: Callable[[int], torch.Tensor | None] | None = None) -> Lease:
         """A buffer of ``nbytes`` (at most the budget), waiting while the budget is spent;
         with ``wait=False`` never waits: counted at once, even beyond the limit (for a buffer
-        the caller needs to release the leases it already holds). ``huge``: a large buffer
-        filled once (fetched ranges) is mapped on transparent huge pages where the system
-        allows it (a fresh buffer's page faults cost more than filling it otherwise)."""
+        the caller needs to release the leases it already holds). ``alloc(nbytes)``: makes the
+        buffer when neither kept nor pinned (a uint8 tensor, or None for the default), e.g. on huge pages
+        (storage/hugepages.py)."""
         nbytes = max(1, nbytes)
         if self.limit is not None and nbytes > self.limit and wait:
             raise CheckpointError(f"a {nbytes}-byte buffer does not fit the {self.limit}-byte memory budget")
@@ -108,8 +89,8 @@ class HostMemory:
             self.peak = max(self.peak, self.in_use)
             buf = self._take_kept(nbytes, pin) if keep else None
         try:
-            if buf is None and huge and not keep and not pin and nbytes >= HUGE_MIN:
-                buf = _huge_buffer(nbytes)
+            if buf is None and alloc is not None and not keep and not pin:
+                buf = alloc(nbytes)
             if buf is None:
                 buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
                 with self._cond:

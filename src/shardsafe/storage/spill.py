@@ -28,6 +28,7 @@ from ..knobs import SPILL_MERGE_GAP as MERGE_GAP
 from ..knobs import SPILL_PIECE as PIECE
 from ..knobs import SPILL_REQUEST_BYTES as REQUEST_BYTES
 from .base import ReadHandle
+from .hugepages import huge_buffer
 from .memcopy import copy_bytes
 
 
@@ -258,7 +259,7 @@ def _place(handles: dict[int, SpilledHandle], jobs: list[tuple[int, int, int]], 
     for f, lo, hi in jobs:
         take = min(hi - lo, max(room, 0))
         if take > 0:
-            handles[f].hold(lo, lo + take, memory.lease(take, wait=False, huge=True))
+            handles[f].hold(lo, lo + take, memory.lease(take, wait=False, alloc=huge_buffer))
             room -= take
             out.append((f, lo, lo + take))
         if lo + take < hi:
