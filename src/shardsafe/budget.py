@@ -20,6 +20,7 @@ asynchronous.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -71,10 +72,12 @@ class HostMemory:
         return nbytes if self.limit is None else max(1, min(nbytes, self.limit))
 
     def lease(self, nbytes: int, *, keep: bool = False, pin: bool = False, timeout: float | None = None,
-              wait: bool = True) -> Lease:
+              wait: bool = True, alloc: Callable[[int], torch.Tensor | None] | None = None) -> Lease:
         """A buffer of ``nbytes`` (at most the budget), waiting while the budget is spent;
         with ``wait=False`` never waits: counted at once, even beyond the limit (for a buffer
-        the caller needs to release the leases it already holds)."""
+        the caller needs to release the leases it already holds). ``alloc(nbytes)``: makes the
+        buffer when neither kept nor pinned (a uint8 tensor, or None for the default), e.g. on huge pages
+        (storage/hugepages.py)."""
         nbytes = max(1, nbytes)
         if self.limit is not None and nbytes > self.limit and wait:
             raise CheckpointError(f"a {nbytes}-byte buffer does not fit the {self.limit}-byte memory budget")
@@ -86,6 +89,8 @@ class HostMemory:
             self.peak = max(self.peak, self.in_use)
             buf = self._take_kept(nbytes, pin) if keep else None
         try:
+            if buf is None and alloc is not None and not keep and not pin:
+                buf = alloc(nbytes)
             if buf is None:
                 buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
                 with self._cond:

@@ -95,6 +95,8 @@ READ_BATCH = _knob("READ_BATCH", 8 * MiB, "direct reads into destinations are ba
 VERIFY_WINDOW = _knob("VERIFY_WINDOW", 2 * MiB, "bytes read at once to be verified, local files")
 REMOTE_VERIFY_WINDOW = _knob("REMOTE_VERIFY_WINDOW", 8 * MiB, "bytes read at once to be verified, remote "
                              "files (one request each)")
+SHARE_PACK = _knob("SHARE_PACK", 4 * MiB, "a broadcast load sends replicated pieces smaller than this packed "
+                   "together, up to this many bytes per message")
 LOAD_RETRIES = _knob("LOAD_RETRIES", 3, "a load that sees its checkpoint replaced mid-way starts again this often",
                      minimum=0)
 
@@ -109,6 +111,12 @@ SPILL_REQUEST_BYTES = _knob("SPILL_REQUEST_BYTES", 32 * MiB, "one remote request
                             "(parallelism within a file)", minimum=64 * KiB)
 SPILL_PIECE = _knob("SPILL_PIECE", 2 * MiB, "bytes held in memory per remote request while they are written to "
                     "the spill", minimum=4 * KiB)
+SPILL_MEMORY = _knob("SPILL_MEMORY", 0, "with no memory budget, a remote load keeps at most this many bytes of "
+                     "the ranges it fetched in memory (the rest go to a local spill file); with a budget: its free "
+                     "room", minimum=0)
+SPILL_HEADROOM = _knob("SPILL_HEADROOM", 8 * MiB, "of a memory budget's free room, this much is left to the "
+                       "reader's own buffers when a remote load keeps some of the ranges it fetched in memory "
+                       "(not all fit)", minimum=0)
 STALE_AFTER_S = _knob("STALE_AFTER_S", 6 * 3600, "seconds after which a leftover temp folder counts as abandoned "
                       "where the filesystem has no locks")
 

@@ -19,3 +19,14 @@ def run_shares(pool: ThreadPoolExecutor, fn: Callable[[T], object], shares: Sequ
     finally:
         for f in futures:
             f.result()
+
+
+def split_work(work: list, weights: list[int], parts: int) -> list[list]:
+    """Deal work items to ``parts`` lists of about equal total weight (largest first)."""
+    bins: list[list] = [[] for _ in range(max(1, parts))]
+    load = [0] * len(bins)
+    for w, item in sorted(zip(weights, range(len(work))), key=lambda x: -x[0]):
+        i = load.index(min(load))
+        bins[i].append(work[item])
+        load[i] += w
+    return [b for b in bins if b]

@@ -6,16 +6,17 @@ bytes in destination tensors — for ``load``, ``load_full``, ``verify``, ``expo
   checkpoint while another is renamed into its place), checked for size, and their
   safetensors header checked against the manifest (digest, and every chunk the manifest
   places in the file: same byte range, dtype and shape), once per file per session.
-- Verification reads the bytes (``pread`` into a small reused buffer; nothing is mapped,
-  so a file truncated meanwhile gives a CheckpointError, not SIGBUS) and hashes each
-  block while it is cached.
-- Landing reads straight into the destination's memory when its layout allows, else
-  through a staging buffer leased from the memory budget; ``post_verify`` ops (memory
-  the loader allocated itself) are hashed after they land, in one pass.
+- Verification reads the bytes (``pread`` into a small reused buffer, nothing mapped: a
+  file truncated meanwhile gives a CheckpointError, not SIGBUS; remote ranges fetched into
+  memory are hashed where they are, or as they arrive) and hashes each block.
+- Landing reads straight into the destination's memory when its layout allows, else via
+  a leased staging buffer; ``post_verify`` ops (memory the loader allocated) are hashed
+  after they land, in one pass.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 
@@ -27,14 +28,16 @@ from ..format.dtypes import torch_dtype
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.zindex import LOGICAL_BASE
 from ..knobs import READ_BATCH as BATCH_BYTES
-from ..knobs import REMOTE_VERIFY_WINDOW, VERIFY_WINDOW
+from ..knobs import REMOTE_VERIFY_WINDOW, SPILL_HEADROOM, VERIFY_WINDOW
 from ..layout import Box
 from ..plan.load_plan import BlockCheck, ReadOp
 from ..storage.base import Folder, ReadHandle
 from ..storage.spill import SpilledHandle, prefetch
 from ..workers import pool
 from .buffers import writable_bytes
+from .fetch import FetchChecks, memory_room
 from .memory import HostMemory, Lease
+from .parallel import split_work
 from .zread import BlockCache, ReadAhead, ZHandle
 
 IOV_MAX = 1024
@@ -60,6 +63,7 @@ class OpenFiles:
         self._lock = threading.Lock()
         self.memory: HostMemory | None = None  # compressed blocks' buffers come from it (set by the Reader)
         self.blocks = BlockCache(lambda: self.memory)  # verified decompressed blocks, kept for landing
+        self.checked: set[BlockCheck] = set()  # blocks verified as they were fetched (prefetch)
 
     def name(self, index: int) -> str:
         """The printable location of file ``index``."""
@@ -147,31 +151,47 @@ class OpenFiles:
                 raise
         return h
 
-    def prefetch(self, ranges: dict[int, list[tuple[int, int]]], threads: int) -> int:
-        """With ``spill``: fetch the byte ranges (per file index) a load will read, once, into
-        the local spill (merged when close, ``threads`` requests at once); later reads of
-        them are local. Returns the bytes fetched (0 without ``spill``)."""
+    def prefetch(self, ranges: dict[int, list[tuple[int, int]]], threads: int, memory: HostMemory | None = None,
+                 checks: list[BlockCheck] | None = None) -> int:
+        """With ``spill``: fetch the ranges (per file) a load reads, once, ``threads`` requests at
+        once, into ``memory`` while its room lasts, else to disk; ``checks`` arriving in memory
+        are verified on the way (engine/fetch.py, ``checked``). Returns the bytes fetched."""
         if not self.spill:
             return 0
         handles = {f: self.handle(f) for f in ranges}
         for f, h in list(handles.items()):
-            if isinstance(h, ZHandle):  # compressed chunks: their stored blocks
+            if isinstance(h, ZHandle):  # compressed chunks: their stored blocks (checked when decompressed)
                 ranges = {**ranges, f: h.stored_ranges(ranges[f])}
                 handles[f] = h.inner
-        return prefetch(handles, ranges, threads)  # type: ignore[arg-type]
+        plain = {f for f, h in self.handles.items() if isinstance(h, SpilledHandle)}
+        early = FetchChecks([c for c in checks or () if c.file in plain], self.name)
+        self.checked = early.done
+        return prefetch(handles, ranges, threads, memory, memory_room(memory), SPILL_HEADROOM,  # type: ignore[arg-type]
+                        early.on_fetched)
+
+    def held(self, index: int, lo: int, hi: int) -> memoryview | None:
+        """Bytes ``[lo, hi)`` of file ``index`` when they were fetched into memory (no copy)."""
+        h = self.handles.get(index)
+        return h.view(lo, hi) if isinstance(h, SpilledHandle) else None
 
     def forget(self) -> None:
-        """Drop what the spills hold (their local disk space is freed)."""
-        for h in list(self.handles.values()):
-            h = h.inner if isinstance(h, ZHandle) else h
-            if isinstance(h, SpilledHandle):
-                h.forget()
+        """Drop what the spills hold (their local disk space and memory are freed)."""
+        for h in self._spilled():
+            h.forget()
 
     @property
     def fetched(self) -> int:
         """Bytes fetched from remote files (spilled handles only)."""
+        return sum(h.fetched for h in self._spilled())
+
+    @property
+    def fetched_in_memory(self) -> int:
+        """Of :attr:`fetched`, the bytes fetched into memory."""
+        return sum(h.in_memory for h in self._spilled())
+
+    def _spilled(self) -> list[SpilledHandle]:
         inner = [h.inner if isinstance(h, ZHandle) else h for h in self.handles.values()]
-        return sum(h.fetched for h in inner if isinstance(h, SpilledHandle))
+        return [h for h in inner if isinstance(h, SpilledHandle)]
 
     @property
     def stored_read(self) -> int:
@@ -296,18 +316,12 @@ def _is_canonical_header(header: bytes, manifest: Manifest, index: int) -> bool:
     if len(set(names)) != len(names) or METADATA_KEY in names:
         names = unique_chunk_names(names)
     enc = encode_basestring_ascii
-    text = f"{{{enc(METADATA_KEY)}:{_json_object(METADATA)}" + "".join([
+    text = f"{{{enc(METADATA_KEY)}:{json.dumps(METADATA, separators=(',', ':'))}" + "".join([
         f',{enc(name)}:{{"dtype":"{code}","shape":[{shape}],"data_offsets":[{lo},{hi}]}}'
         for name, (code, shape, lo, hi) in zip(names, fields)]) + "}"
     data = text.encode("utf-8")
     data += b" " * (-(len(data) + 8) % HEADER_ALIGN)
     return len(data) + 8 == base and header[8:] == data and header[:8] == struct.pack("<Q", len(data))
-
-
-def _json_object(value: object) -> str:
-    import json
-
-    return json.dumps(value, separators=(",", ":"))
 
 
 def windows(checks: list[BlockCheck], limit: int = VERIFY_WINDOW) -> list[list[BlockCheck]]:
@@ -322,17 +336,6 @@ def windows(checks: list[BlockCheck], limit: int = VERIFY_WINDOW) -> list[list[B
                 continue
         out.append([c])
     return out
-
-
-def split_work(work: list, weights: list[int], parts: int) -> list[list]:
-    """Deal work items to ``parts`` lists of about equal total weight (largest first)."""
-    bins: list[list] = [[] for _ in range(max(1, parts))]
-    load = [0] * len(bins)
-    for w, item in sorted(zip(weights, range(len(work))), key=lambda x: -x[0]):
-        i = load.index(min(load))
-        bins[i].append(work[item])
-        load[i] += w
-    return [b for b in bins if b]
 
 
 class Problems:
@@ -361,7 +364,7 @@ class Reader:
         if files.memory is None:
             files.memory = memory
         # remote files: fewer, larger requests for what is read without the spill
-        self.window = REMOTE_VERIFY_WINDOW if files.spill else VERIFY_WINDOW
+        self.window = memory.fits(REMOTE_VERIFY_WINDOW if files.spill else VERIFY_WINDOW)  # a small budget: smaller
         self.memory = memory
         self.threads = max(1, threads)
         self.progress = progress
@@ -374,6 +377,8 @@ class Reader:
         ``problems``, every block mismatch is collected). Returns the bytes hashed."""
         for f in sorted({c.file for c in checks} if headers is None else headers):
             self.files.check_header(f)
+        if self.files.checked:  # verified as they were fetched
+            checks = [c for c in checks if c not in self.files.checked]
         units = self._units(windows(checks, self.window))
         parts = split_work(units, [sum(w[-1].hi - w[0].lo + 4096 for w in u) for u in units], self.threads)
         return sum(self._run(self._hash_windows, parts, problems))
@@ -414,19 +419,21 @@ class Reader:
         try:
             for i, w in enumerate(group):
                 lo, hi = w[0].lo, w[-1].hi
-                if lease is None or lease.nbytes < hi - lo:
-                    if lease is not None:
-                        lease.release()
-                    lease = self.memory.lease(max(size, hi - lo))
-                view = memoryview(lease.tensor.numpy())[: hi - lo]
-                try:
-                    if hi > lo:
-                        ahead.read_into(i, view)
-                except CheckpointError as exc:
-                    if problems is None:
-                        raise
-                    problems.add_error(w[0].file, exc)
-                    continue
+                view = self.files.held(w[0].file, lo, hi) if hi > lo else None  # in memory: hashed where it is
+                if view is None:
+                    if lease is None or lease.nbytes < hi - lo:
+                        if lease is not None:
+                            lease.release()
+                        lease = self.memory.lease(max(size, hi - lo))
+                    view = memoryview(lease.tensor.numpy())[: hi - lo]
+                    try:
+                        if hi > lo:
+                            ahead.read_into(i, view)
+                    except CheckpointError as exc:
+                        if problems is None:
+                            raise
+                        problems.add_error(w[0].file, exc)
+                        continue
                 for c in w:
                     if checksum(view[c.lo - lo: c.hi - lo]) != c.expected:
                         if problems is None:

@@ -41,6 +41,7 @@ from .metadata import (
     fetch_rank_local,
     read_manifest_phase,
 )
+from .share import share_phase
 
 T = TypeVar("T")
 
@@ -51,7 +52,9 @@ class LoadInfo:
     (verified checksum blocks included); ``bytes_copied``: bytes landed from storage;
     ``bytes_received``: bytes sent by other ranks (``broadcast_replicated``);
     ``bytes_fetched``: bytes of data files fetched over the network (remote backends: each
-    needed range once, into a local spill; 0 on local paths)."""
+    needed range once, into a local spill; 0 on local paths); ``bytes_fetched_to_memory``:
+    of those, the bytes kept in memory leased from the budget (the rest went to a local
+    spill file; see docs/object-storage.md)."""
 
     path: Path | str
     bytes_read: int
@@ -64,6 +67,7 @@ class LoadInfo:
     bytes_stored_read: int = 0  # format 3.2: stored (compressed) bytes read for compressed chunks
     tier: str = ""  # a CheckpointManager with a local tier: "local", "peers" or "persistent"
     bytes_from_peers: int = 0  # local tier: bytes of files this rank received from other nodes first
+    bytes_fetched_to_memory: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,11 +133,13 @@ def plan_phase(manifest: Manifest, fills: list[Fill], *, verify: bool, verify_fr
     return ReadPlan(ops, checks, post, verify)
 
 
-def open_files_phase(files: OpenFiles, plan: ReadPlan, threads: int = 8) -> None:
+def open_files_phase(files: OpenFiles, plan: ReadPlan, threads: int = 8, memory: HostMemory | None = None) -> None:
     """Open (and size-check) every file the plan reads, before anything is verified or
     lands: a checkpoint replaced meanwhile is noticed here, never half way. On a remote
     backend (``files.spill``), fetch every byte range the plan will read, once, with
-    ``threads`` requests at once (headers, checked blocks and landed runs)."""
+    ``threads`` requests at once (headers, checked blocks and landed runs): into memory
+    leased from ``memory`` while its free room lasts (blocks are checked as they arrive),
+    the rest into a local spill file (engine/fetch.py)."""
     for f in sorted(plan.files):
         files.handle(f)
     if files.spill:
@@ -145,7 +151,7 @@ def open_files_phase(files: OpenFiles, plan: ReadPlan, threads: int = 8) -> None
             ranges.setdefault(c.file, []).append((c.lo, c.hi))
         for op in plan.ops:
             ranges.setdefault(op.file, []).extend((s, s + n) for s, n in op.runs)
-        files.prefetch(ranges, threads)
+        files.prefetch(ranges, threads, memory, plan.checks)
 
 
 def land_phase(reader: Reader, plan: ReadPlan, fills: list[Fill], max_buffer: int, block: int) -> int:
@@ -214,10 +220,11 @@ class _Load:
     reader: Reader | None = None
     verified: int = 0
     fetched: int = 0
+    in_memory: int = 0
 
     def close(self) -> None:
         if self.files is not None:
-            self.fetched = self.files.fetched
+            self.fetched, self.in_memory = self.files.fetched, self.files.fetched_in_memory
             self.files.close()
         if self.opened is not None:
             self.opened.close()
@@ -261,9 +268,7 @@ def _load_once(state_dict: dict[str, Any], backend: Backend, location: str, comm
         load.close()
     result = load.result
     assert result is not None
-    received = 0
-    for s in shared:  # the same order on every rank
-        received += comm.share_tensor(piece_of(result.fills[s.index], s.piece), s.owner, s.members)
+    received = share_phase(comm, shared, lambda s: piece_of(result.fills[s.index], s.piece))
     error = None
     try:
         apply_phase(result)
@@ -272,7 +277,8 @@ def _load_once(state_dict: dict[str, Any], backend: Backend, location: str, comm
     comm.agree(error)
     return LoadInfo(location, load.verified if opts.verify else copied, len({f.key for f in result.fills}),
                     time.perf_counter() - t0, copied, bytes_received=received,
-                    retries=backend.retries - retries0, bytes_fetched=load.fetched, bytes_stored_read=stored)
+                    retries=backend.retries - retries0, bytes_fetched=load.fetched, bytes_stored_read=stored,
+                    bytes_fetched_to_memory=load.in_memory)
 
 
 def _match_phases(load: _Load, state_dict: dict[str, Any], backend: Backend, location: str, comm: Comm,
@@ -309,7 +315,7 @@ def _verify_phases(load: _Load, backend: Backend, res: ReadResources, opts: Load
                                max_buffer=max_buffer, geoms=geoms, dests=dests)
         load.files = OpenFiles(opened.folder, opened.manifest, digest=opened.digest, spill=backend.remote,
                                siblings=opened.siblings)
-        open_files_phase(load.files, load.plan, res.fetch_threads)
+        open_files_phase(load.files, load.plan, res.fetch_threads, res.memory)
         load.reader = Reader(load.files, res.memory, res.read_threads)
         load.verified = load.plan.verify_with(load.reader)
     except Exception as exc:  # noqa: BLE001
@@ -401,7 +407,7 @@ def _load_full_once(backend: Backend, location: str, keys: list[str] | None, res
                           geoms=geoms, dests=dests)
         with OpenFiles(opened.folder, manifest, digest=opened.digest, spill=backend.remote,
                        siblings=opened.siblings) as files:
-            open_files_phase(files, plan, res.fetch_threads)
+            open_files_phase(files, plan, res.fetch_threads, res.memory)
             reader = Reader(files, res.memory, res.read_threads)
             plan.verify_with(reader)
             land_phase(reader, plan, fills, max_buffer, block_size(manifest))

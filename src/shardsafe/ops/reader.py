@@ -65,8 +65,8 @@ class CheckpointReader:
         geoms = fetch_plan_indexes(self.opened, dests)
         plan = plan_phase(self.manifest, fills, verify=self.verify, verify_fresh_first=False,
                           max_buffer=self.max_buffer, geoms=geoms, dests=dests)
-        open_files_phase(self.files, plan, self.fetch_threads)
         try:
+            open_files_phase(self.files, plan, self.fetch_threads, self.reader.memory)
             plan.verify_with(self.reader)
             land_phase(self.reader, plan, fills, self.max_buffer, self.block)
         finally:

@@ -12,6 +12,7 @@ from obstore import exceptions as obx
 from ...errors import CheckpointChangedError, CorruptCheckpointError, StorageError
 from ...knobs import STREAM_PIECE
 from ..base import ReadHandle
+from ..memcopy import copy_bytes
 from .errors import _NOT_FOUND, RangeNotSupportedError, _range_not_supported, _whole_object_answer
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class _Scatter:
                 return False
             v = self.views[self.index]
             m = min(len(v) - self.at, n - i)
-            v[self.at: self.at + m] = piece[i: i + m]
+            copy_bytes(v[self.at: self.at + m], piece[i: i + m])
             i += m
             self.at += m
             self.done += m
