@@ -31,14 +31,13 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 
-import numpy as np
-
 from .. import knobs
 from ..errors import CorruptCheckpointError
 from ..format.checksum import checksum
 from ..format.codecs import CodecError, decompress_into
 from ..format.zindex import LOGICAL_BASE, ZRow, stored_key
 from ..storage.base import ReadHandle
+from ..storage.memcopy import copy_bytes
 from ..workers import pool
 from .memory import HostMemory, Lease
 
@@ -161,7 +160,7 @@ class ZHandle(ReadHandle):
                 data = self._block(row, b)
                 within = pos - (row.logical + b * self.block)
                 take = min(len(data) - within, n - done)
-                _copy(buf[done: done + take], data[within: within + take])
+                copy_bytes(buf[done: done + take], data[within: within + take])
                 done += take
                 pos += take
 
@@ -417,15 +416,6 @@ class ReadAhead:
                 future.result().release()
         self.pending.clear()
         self.helper.shutdown(wait=True)
-
-
-def _copy(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src`` with the GIL released (numpy's copy; a memoryview assignment holds
-    it, so landing threads would take turns)."""
-    if len(src) < 65536:
-        dst[:] = src
-    else:
-        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
 __all__ = ["BlockCache", "Fetched", "ReadAhead", "ZHandle"]
