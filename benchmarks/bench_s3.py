@@ -102,7 +102,9 @@ SAVERS = ["shardsafe", "dcp", "raw", "raw1"]  # raw1: one plain PUT per rank (no
 LOADERS = ["shardsafe", "shardsafe-shard", "dcp", "raw"]  # shardsafe-shard: memory_budget = the rank's shard
 CONTENDERS = ["shardsafe", "dcp", "raw"]  # what saves a checkpoint of its own (part 2)
 SAVED_BY = {"shardsafe-shard": "shardsafe"}  # a loader -> the saver whose checkpoint it loads
-TARGETS = {"save_ratio": 2.0, "load_ratio": 2.0, "ddp_fetch": 1.05, "rss_slack": 64 << 20,
+# issue 27's targets: the save at the server's floor (>= 0.9x the raw multipart upload, >= 1.3x
+# DCP; the earlier 2x DCP is beyond what these servers allow), loads >= 2x DCP and near the raw GET
+TARGETS = {"save_ratio": 1.3, "save_raw": 0.9, "load_ratio": 2.0, "ddp_fetch": 1.05, "rss_slack": 64 << 20,
            "load_raw_default": 0.5, "load_raw_shard": 0.8, "fetch_needed": 1.05}
 RAW_PART = 16 << 20  # like shardsafe's default part_size
 RAW_CONCURRENCY = 4  # like shardsafe's default max_concurrency
@@ -686,8 +688,10 @@ def summarize(res: dict) -> tuple[str, dict]:
             v = med(lambda r, key=key: r["ratios"][key])
             checks[key] = {"value": v, "per_rep": [r["ratios"][key] for r in reps],
                            "target": f">= {TARGETS[target]}", "pass": v >= TARGETS[target]}
-        checks["save_ss_over_raw"] = {"value": med(lambda r: r["ratios"]["save_ss_over_raw"]),
-                                      "target": "report (raw = floor)"}
+        v = med(lambda r: r["ratios"]["save_ss_over_raw"])
+        checks["save_ss_over_raw"] = {"value": v, "per_rep": [r["ratios"]["save_ss_over_raw"] for r in reps],
+                                      "target": f">= {TARGETS['save_raw']} (raw multipart upload = 1)",
+                                      "pass": v >= TARGETS["save_raw"]}
         for key, target in (("load_ss_over_raw", "load_raw_default"), ("load_ss_shard_over_raw", "load_raw_shard")):
             v = med(lambda r, key=key: r["ratios"][key])
             checks[key] = {"value": v, "per_rep": [r["ratios"][key] for r in reps],
