@@ -69,6 +69,7 @@ def describe(state: dict[str, Any], rank: int, group_rank: Any = None, world: in
     held: list[HeldTensor] = []
     local: list[HeldTensor] = []
     sources: dict[tuple[str, Box], torch.Tensor] = {}
+    meshes: dict[int, tuple] = {}  # id(DeviceMesh) -> its shape, ranks and names (alive during the call)
     for key, t in flat.tensors.items():
         name = dtype_name(t.dtype, key)
         _check_saveable(key, t)
@@ -82,7 +83,7 @@ def describe(state: dict[str, Any], rank: int, group_rank: Any = None, world: in
             for p in pieces:
                 sources[(key, p.box)] = local_t[p.local_slices]
             kind = "sharded" if any(not _is_replicate(p) for p in t.placements) else "replicated"
-            rule = _rule_key(t, group_rank, world) if kind == "sharded" else None
+            rule = _rule_key(t, group_rank, world, meshes) if kind == "sharded" else None
             held.append(HeldTensor(key, name, tuple(t.shape), t.element_size(), kind, boxes, rule,
                                    None if rule is not None else spec_of(t)))
             continue
@@ -96,7 +97,7 @@ def describe(state: dict[str, Any], rank: int, group_rank: Any = None, world: in
     return Described(flat, held, local, sources, wire, checksum(wire), checksum(repr(flat.tree).encode()))
 
 
-def _rule_key(t: Any, group_rank: Any, world: int) -> tuple | None:
+def _rule_key(t: Any, group_rank: Any, world: int, meshes: dict[int, tuple]) -> tuple | None:
     """A DTensor's layout as a rule (mesh shape, the saving group's rank at each mesh
     coordinate, dim names; placements), or None when it has none (docs/format.md, rules)
     or a reader of a ``world``-rank checkpoint could refuse it (``format.rules.rule_problem``:
@@ -108,13 +109,16 @@ def _rule_key(t: Any, group_rank: Any, world: int) -> tuple | None:
     if placements is None or _rule_problem(tuple(t.shape), placements, tuple(t.device_mesh.shape), world) is not None:
         return None
     mesh = t.device_mesh
-    ranks = mesh.mesh.flatten().tolist()
-    if group_rank is not None:
-        ranks = [group_rank.get(r) for r in ranks]
-        if None in ranks:
-            return None
-    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
-    return (tuple(mesh.shape), tuple(ranks), names), tuple(tuple(p) for p in placements)
+    key = meshes.get(id(mesh))
+    if key is None:  # DeviceMesh.mesh builds a tensor on every call: once per mesh
+        ranks = mesh.mesh.flatten().tolist()
+        if group_rank is not None:
+            ranks = [group_rank.get(r) for r in ranks]
+        names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+        key = meshes[id(mesh)] = (tuple(mesh.shape), tuple(ranks), names)
+    if None in key[1]:
+        return None
+    return key, tuple(tuple(p) for p in placements)
 
 
 def _check_saveable(key: str, t: torch.Tensor) -> None:
