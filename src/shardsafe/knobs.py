@@ -108,7 +108,8 @@ STREAM_PIECE = _knob("STREAM_PIECE", 4 * MiB, "a ranged GET is copied into its d
 SPILL_MERGE_GAP = _knob("SPILL_MERGE_GAP", 1 * MiB, "remote ranges closer than this are fetched as one request "
                         "(the gap is read too)", minimum=0)
 SPILL_REQUEST_BYTES = _knob("SPILL_REQUEST_BYTES", 32 * MiB, "one remote request fetches at most this much "
-                            "(parallelism within a file)", minimum=64 * KiB)
+                            "(parallelism within a file; raise it for a server that copies the whole "
+                            "object for every ranged GET, such as moto)", minimum=64 * KiB)
 SPILL_PIECE = _knob("SPILL_PIECE", 2 * MiB, "bytes held in memory per remote request while they are written to "
                     "the spill", minimum=4 * KiB)
 SPILL_MEMORY = _knob("SPILL_MEMORY", 0, "with no memory budget, a remote load keeps at most this many bytes of "
