@@ -419,4 +419,3 @@ class ReadAhead:
 
 
 __all__ = ["BlockCache", "Fetched", "ReadAhead", "ZHandle"]
-

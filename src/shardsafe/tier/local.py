@@ -371,7 +371,9 @@ class LocalTier:
                 error = exc
         self.tcomm.agree(error)
         data = self.tcomm.broadcast_bytes(data, src)
-        m = self._parsed.get(checksum(data)) or Manifest.from_bytes(data, f"local step {step}'s manifest")
+        m = self._parsed.get(checksum(data))
+        if m is None:
+            m = Manifest.from_bytes(data, f"local step {step}'s manifest")
         files = manifest_files(m)
         nodes = set(self.topo.nodes)
         if all(nodes <= {self.topo.nodes[r] for r in where.get(n, ())} for n in files):
